@@ -1,0 +1,30 @@
+"""patchdsl: declarative fused-kernel patching for Hugging Face transformers models.
+
+    import patchdsl
+    spec = patchdsl.load_spec("specs/qwen3.kpatch")
+    plan = patchdsl.plan(spec, model)
+    with patchdsl.apply(plan, model) as handle:
+        ...train...
+
+Heavy modules (torch, triton, transformers) are imported on first use.
+"""
+
+from ._version import __version__
+from .syntax import SpecError, load_spec, parse_spec
+
+__all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply", "verify"]
+
+
+def plan(spec, model, **kwargs):
+    from .plan import plan as _plan
+    return _plan(spec, model, **kwargs)
+
+
+def apply(plan_or_spec, model, **kwargs):
+    from .runtime import apply as _apply
+    return _apply(plan_or_spec, model, **kwargs)
+
+
+def verify(spec, model_or_factory, **kwargs):
+    from .verify import verify as _verify
+    return _verify(spec, model_or_factory, **kwargs)

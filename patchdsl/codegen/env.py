@@ -1,0 +1,35 @@
+"""Pick the Triton target and make sure the interpreter is on when there is no GPU.
+
+``TRITON_INTERPRET=1`` must be in the environment before triton is imported (and before any
+``@triton.jit`` runs), so every import of triton in patchdsl goes through :func:`ensure_triton`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def target() -> str:
+    """``"cuda"`` when a CUDA device is usable and the interpreter is not forced, else ``"interpreter"``."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "interpreter"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    return "interpreter"
+
+
+def ensure_triton():
+    """Import triton, switching on its interpreter first when there is no GPU."""
+    if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    return triton

@@ -1,0 +1,158 @@
+"""What an op is: a flag schema, the kinds it accepts, a template, and how it patches a module.
+
+An op module (``patchdsl/ops/<name>.py``) defines one :class:`Op` subclass and registers an
+instance with :func:`patchdsl.ops.registry.register`.  The class body is plain data and pure
+functions; torch is only imported inside the methods that touch modules, so ``patchdsl check``
+and the syntax layer stay light.
+
+Life of a site:
+  1. ``index``:    each registered kind's recogniser describes modules (``ModuleInfo.kinds``).
+  2. ``plan``:     ``Op.key_params(info, flags, dtype, target)`` -> the kernel's specialisation
+                   parameters (pure; becomes the ``KernelKey``).
+  3. ``codegen``:  the op's template is rendered with those parameters (plus ``target``) and
+                   imported from the on-disk cache.
+  4. ``runtime``:  ``Op.check(module, flags)`` validates the live module (a reason string
+                   refuses it), then ``Op.make_forward(module, kernels, flags)`` returns a
+                   function ``forward(self, *args, **kwargs)`` bound to the instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
+
+
+class FlagTypeError(ValueError):
+    """A flag value of the wrong type; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One typed flag: ``type`` is bool, int, float, str, or ``choice`` (then ``choices``).
+
+    ``auto_ok``: the word ``auto`` is also accepted (meaning: let the op decide).
+    ``none_ok``: the word ``none`` is also accepted.
+    """
+
+    name: str
+    type: str
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] = ()
+    auto_ok: bool = False
+    none_ok: bool = False
+    min: float | None = None
+    max: float | None = None
+
+    def describe_type(self) -> str:
+        t = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+             "choice": " or ".join(repr(c) for c in self.choices)}[self.type]
+        if self.auto_ok:
+            t += " or auto"
+        if self.none_ok:
+            t += " or none"
+        return t
+
+    def coerce(self, value: Any) -> Any:
+        if self.auto_ok and value == "auto":
+            return "auto"
+        if self.none_ok and value is None:
+            return None
+        ok = False
+        if self.type == "bool":
+            ok = isinstance(value, bool)
+        elif self.type == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif self.type == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok:
+                value = float(value)
+        elif self.type == "str":
+            ok = isinstance(value, str)
+        elif self.type == "choice":
+            ok = value in self.choices and not isinstance(value, bool)
+        if not ok:
+            raise FlagTypeError(f"flag '{self.name}' expects {self.describe_type()}, got {_show(value)}")
+        if self.min is not None and value < self.min:
+            raise FlagTypeError(f"flag '{self.name}' must be >= {self.min}, got {value}")
+        if self.max is not None and value > self.max:
+            raise FlagTypeError(f"flag '{self.name}' must be <= {self.max}, got {value}")
+        return value
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "none"
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """What the planner knows about one module (plain data, no tensors).
+
+    ``kinds`` maps each structural kind the module fits to the facts its recogniser found
+    (e.g. ``{"RMSNorm": {"hidden": 1024, "eps": 1e-6, "offset": 0.0, "casting": "llama"}}``).
+    """
+
+    path: str
+    cls: str
+    bases: tuple[str, ...]
+    kinds: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    dtype: str | None = None
+    children: tuple[str, ...] = ()
+
+    def facts(self, kind: str) -> Mapping[str, Any]:
+        return self.kinds.get(kind, {})
+
+
+class Op:
+    """Base class of every op.  Subclasses set the class attributes and override the methods."""
+
+    name: ClassVar[str]
+    kinds: ClassVar[tuple[str, ...]]          # structural kinds this op can replace
+    template: ClassVar[str]                   # file name under templates/
+    flags: ClassVar[tuple[FlagSpec, ...]] = ()
+    covers: ClassVar[tuple[str, ...]] = ()    # child modules whose work this op fuses in
+    doc: ClassVar[str] = ""
+
+    # ---- pure, planning time -------------------------------------------------------
+    def flag(self, name: str) -> FlagSpec | None:
+        return next((f for f in self.flags if f.name == name), None)
+
+    def default_flags(self) -> dict[str, Any]:
+        return {f.name: f.default for f in self.flags}
+
+    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+        """Specialisation parameters of the kernel for this site (JSON-able, deterministic)."""
+        raise NotImplementedError
+
+    def kernel_name(self, params: Mapping[str, Any]) -> str:
+        """A readable file stem naming what the kernel is specialised for."""
+        parts = [self.name]
+        for k in ("dtype", "hidden", "n_cols", "vocab", "head_dim"):
+            if k in params:
+                v = params[k]
+                parts.append(f"{k[0]}{v}" if isinstance(v, int) else str(v))
+        parts.append(params.get("target", "cuda"))
+        return "_".join(str(p) for p in parts)
+
+    # ---- runtime (imports torch lazily) -------------------------------------------
+    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+        """Return None if the live module fits this op, else a one-line reason it does not."""
+        return None
+
+    def make_forward(self, module: Any, kernels: Callable[[str], Any], flags: Mapping[str, Any],
+                     info: ModuleInfo) -> Callable:
+        """Return ``forward(self, *args, **kwargs)`` to bind on ``module``.
+
+        ``kernels(dtype)`` returns the imported generated module for that dtype (rendered on
+        first use and cached), so the forward can dispatch on its input's dtype.
+        Weights must be read from ``self`` at call time (FSDP2 / PEFT safety), never captured.
+        """
+        raise NotImplementedError
+
+    def related(self, module: Any) -> dict[str, Any]:
+        """Other modules this op's forward reads at call time, for the runtime's bookkeeping."""
+        return {}

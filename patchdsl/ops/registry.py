@@ -1,0 +1,81 @@
+"""The one op registry and the one kind registry.
+
+Adding an op = one template in ``templates/``, one module in ``patchdsl/ops/`` that calls
+:func:`register`, and its tests.  Adding a structural kind = one :func:`kind` recogniser.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Mapping
+
+from .base import Op
+
+_OPS: dict[str, Op] = {}
+_KINDS: dict[str, Callable[[Any], Mapping[str, Any] | None]] = {}
+_KIND_DOCS: dict[str, str] = {}
+
+# Op modules, imported on first registry access.  Order is the documentation order.
+OP_MODULES = (
+    "rmsnorm", "add_rmsnorm", "layernorm", "swiglu", "geglu", "rope", "qk_norm_rope",
+    "cross_entropy", "linear_cross_entropy",
+)
+KIND_NAMES = ("RMSNorm", "LayerNorm", "SwiGLU", "GeGLU", "Attention", "CausalLM", "Linear", "DecoderLayer")
+
+_loaded = False
+
+
+def register(op: Op) -> Op:
+    if op.name in _OPS:
+        raise ValueError(f"op {op.name!r} registered twice")
+    _OPS[op.name] = op
+    return op
+
+
+def kind(name: str, doc: str = "") -> Callable:
+    """Register a structural-kind recogniser: ``fn(module) -> facts dict | None``."""
+
+    def deco(fn):
+        _KINDS[name] = fn
+        _KIND_DOCS[name] = doc or (fn.__doc__ or "").strip().splitlines()[0]
+        return fn
+
+    return deco
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    importlib.import_module("patchdsl.ops.kinds")
+    for m in OP_MODULES:
+        try:
+            importlib.import_module(f"patchdsl.ops.{m}")
+        except ModuleNotFoundError as e:  # an op module not written yet must not break the rest
+            if e.name != f"patchdsl.ops.{m}":
+                raise
+
+
+def ops() -> dict[str, Op]:
+    _load()
+    return dict(_OPS)
+
+
+def get_op(name: str) -> Op | None:
+    _load()
+    return _OPS.get(name)
+
+
+def kinds() -> dict[str, Callable]:
+    _load()
+    return dict(_KINDS)
+
+
+def kind_docs() -> dict[str, str]:
+    _load()
+    return dict(_KIND_DOCS)
+
+
+def is_kind_name(text: str) -> bool:
+    return text in KIND_NAMES

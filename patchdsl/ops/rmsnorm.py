@@ -1,0 +1,89 @@
+"""fused_rmsnorm: RMSNorm with the offset and cast order of the module it replaces."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..syntax.errors import SpecError  # noqa: F401  (re-exported for op authors)
+from .base import FlagSpec, ModuleInfo, Op
+from .registry import register
+
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def dtype_name(dt: Any) -> str:
+    return DTYPE_NAMES.get(str(dt), str(dt).replace("torch.", ""))
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def row_block(n: int, target: str, max_block: int = 16384, interp_max: int = 1024) -> tuple[int, bool]:
+    """(BLOCK, single_pass) for a row of ``n`` elements."""
+    cap = interp_max if target == "interpreter" else max_block
+    b = next_pow2(n)
+    if b <= cap:
+        return b, True
+    return cap, False
+
+
+def row_warps(block: int) -> int:
+    return 1 if block <= 256 else 2 if block <= 1024 else 4 if block <= 4096 else 8 if block <= 8192 else 16
+
+
+def resolve_auto(flags: Mapping[str, Any], name: str, detected: Any) -> Any:
+    v = flags.get(name, "auto")
+    return detected if v == "auto" else v
+
+
+class FusedRMSNorm(Op):
+    name = "fused_rmsnorm"
+    kinds = ("RMSNorm",)
+    template = "fused_rmsnorm.py.j2"
+    doc = "RMSNorm forward and backward in one kernel each; dW reduced on the device."
+    flags = (
+        FlagSpec("eps", "float", "auto", "epsilon added to the mean square; auto = the module's own", auto_ok=True, min=0.0),
+        FlagSpec("offset", "float", "auto", "scale is (offset + w); auto = probed (0 Llama/Qwen, 1 Gemma)", auto_ok=True),
+        FlagSpec("casting", "choice", "auto", "llama: cast then scale; gemma: scale in fp32 then cast; auto = probed",
+                 choices=("llama", "gemma"), auto_ok=True),
+        FlagSpec("block", "int", "auto", "block size in elements (power of two); auto = by hidden size",
+                 auto_ok=True, min=16),
+    )
+
+    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+        f = info.facts("RMSNorm")
+        hidden = int(f["hidden"])
+        eps = float(resolve_auto(flags, "eps", f["eps"]))
+        offset = float(resolve_auto(flags, "offset", f["offset"]))
+        casting = resolve_auto(flags, "casting", f["casting"])
+        if casting == "unknown":
+            casting = "llama"
+        block, single = row_block(hidden, target)
+        if flags.get("block", "auto") != "auto":
+            block = next_pow2(int(flags["block"]))
+            single = block >= hidden
+        rows = 1 if target == "interpreter" or hidden > 2048 else (4 if hidden <= 512 else 2)
+        return {
+            "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
+            "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
+            "num_warps": row_warps(block), "rows_per_program": rows, "bwd_programs_per_sm": 4,
+            "target": target, "tag": f"h{hidden}",
+        }
+
+    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+        f = info.facts("RMSNorm")
+        if not f:
+            return "not an RMSNorm (needs a 1-D weight, an eps attribute and an RMS-normalising forward)"
+        if f["casting"] == "unknown" and flags.get("casting", "auto") == "auto":
+            return "its forward matches neither the Llama nor the Gemma cast order; set casting= explicitly"
+        return None
+
+    def make_forward(self, module, kernels, flags, info):
+        def forward(self, hidden_states, *args, **kwargs):
+            return kernels(hidden_states.dtype).rmsnorm(hidden_states, self.weight)
+
+        return forward
+
+
+register(FusedRMSNorm())

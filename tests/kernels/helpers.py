@@ -1,0 +1,60 @@
+"""Shared helpers for kernel tests: build a kernel for given facts, compare with float64.
+
+Tolerances are on the relative Frobenius error ||out - ref|| / ||ref|| against a float64
+reference computed from the same (already rounded) inputs.  Rounding one value to the dtype
+costs at most u = 2^-24 (fp32), 2^-11 (fp16), 2^-8 (bf16) relative; the RMS of that error over
+many values is about u/sqrt(3).  A fused kernel rounds its output once, and sometimes an
+intermediate once more (HF's Llama RMSNorm casts x*rstd before scaling), so the bars are a
+small multiple of u:
+
+    fp32: 1e-5   (~170 u: fp32 accumulation order over rows up to ~10^5 elements)
+    fp16: 2e-3   (4 u)
+    bf16: 1.6e-2 (4 u)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from patchdsl.codegen import KernelKey, load_kernel
+from patchdsl.ops.base import ModuleInfo
+from patchdsl.ops.registry import get_op
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.6e-2}
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+TARGET = "cuda" if ON_GPU else "interpreter"
+
+
+def kernel_for(op_name: str, kind: str, facts: dict, dtype: str, flags: dict | None = None,
+               w_dtype: str | None = None):
+    """Render, cache and import the kernel module ``op_name`` generates for these facts."""
+    op = get_op(op_name)
+    assert op is not None, op_name
+    f = op.default_flags()
+    f.update(flags or {})
+    info = ModuleInfo("test", "Test", (), {kind: facts}, dtype=w_dtype or dtype)
+    params = op.key_params(info, f, dtype, TARGET)
+    key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+    return load_kernel(key)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert torch.isfinite(out).all(), "non-finite values in output"
+    den = ref.norm().item()
+    return (out - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def assert_close(out, ref, dtype: str, what: str = "", factor: float = 1.0):
+    e = rel_err(out, ref)
+    tol = TOL[dtype] * factor
+    assert e <= tol, f"{what}: relative error {e:.3g} > {tol:.3g} ({dtype})"
+
+
+def sizes(cpu: list, gpu: list) -> list:
+    """Small shapes on the interpreter, real ones on the GPU."""
+    return gpu if ON_GPU else cpu
