@@ -138,6 +138,14 @@ class Op:
         parts.append(params.get("target", "cuda"))
         return "_".join(str(p) for p in parts)
 
+    def host(self, info: ModuleInfo, index: Any) -> str:
+        """Path of the module whose ``forward`` this op replaces (default: the site itself).
+
+        ``fused_linear_cross_entropy`` is selected on ``lm_head`` but replaces the forward of the
+        causal LM that owns it; ``index`` is the :class:`patchdsl.index.ModelIndex`.
+        """
+        return info.path
+
     # ---- runtime (imports torch lazily) -------------------------------------------
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         """Return None if the live module fits this op, else a one-line reason it does not."""
@@ -153,6 +161,13 @@ class Op:
         """
         raise NotImplementedError
 
-    def related(self, module: Any) -> dict[str, Any]:
-        """Other modules this op's forward reads at call time, for the runtime's bookkeeping."""
-        return {}
+    def install(self, host: Any, kernels: Callable[[Any], Any], flags: Mapping[str, Any],
+                info: ModuleInfo) -> list[tuple[Any, str, Any]]:
+        """The attribute assignments that patch ``host``: a list of (object, attribute, value).
+
+        The runtime performs them, remembers what was there (or that nothing was) and undoes
+        them in reverse order.  Default: bind ``make_forward(...)`` as ``host.forward``.
+        """
+        import types
+
+        return [(host, "forward", types.MethodType(self.make_forward(host, kernels, flags, info), host))]
