@@ -16,7 +16,7 @@ __all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply
 
 
 def plan(spec, model, **kwargs):
-    from .plan import plan as _plan
+    from .planner import plan as _plan
     return _plan(spec, model, **kwargs)
 
 
@@ -26,5 +26,5 @@ def apply(plan_or_spec, model, **kwargs):
 
 
 def verify(spec, model_or_factory, **kwargs):
-    from .verify import verify as _verify
+    from .parity import verify as _verify
     return _verify(spec, model_or_factory, **kwargs)

@@ -1,0 +1,101 @@
+"""Language-level checks that need the op registry but no model: ops, flags, kinds.
+
+``check_spec(spec)`` returns the rules with their flags typed and resolved against each op's
+schema and the file's ``default`` directives.  Pure; raises located SpecErrors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .ops.base import FlagTypeError, Op
+from .ops.registry import KIND_NAMES, get_op, ops
+from .syntax.ast import Flag, Rule, Span, Spec
+from .syntax.errors import SpecError, did_you_mean
+from .syntax.selectors import is_glob
+
+
+@dataclass(frozen=True)
+class FlagValue:
+    value: Any
+    source: str          # "op default", or "file:line" of the rule / default directive that set it
+
+
+@dataclass(frozen=True)
+class CheckedRule:
+    rule: Rule
+    op: str
+    explicit: tuple[tuple[str, FlagValue], ...]   # flags this rule sets, in order
+
+
+@dataclass(frozen=True)
+class CheckedSpec:
+    spec: Spec
+    rules: tuple[CheckedRule, ...]
+    defaults: tuple[tuple[str, str, FlagValue], ...]   # (op, flag, value) from default directives
+
+    def base_flags(self, op: Op) -> dict[str, FlagValue]:
+        """Op defaults overlaid with the file's ``default`` directives (later wins)."""
+        out = {f.name: FlagValue(f.default, "op default") for f in op.flags}
+        for opname, name, fv in self.defaults:
+            if opname == op.name:
+                out[name] = fv
+        return out
+
+
+def _op_or_error(name: str, span: Span) -> Op:
+    op = get_op(name)
+    if op is None:
+        hint = did_you_mean(name, ops()) or f"known ops: {', '.join(sorted(ops()))}"
+        raise SpecError(f"unknown op '{name}'", span, hint=hint)
+    return op
+
+
+def _typed_flags(op: Op, flags: tuple[Flag, ...]) -> list[tuple[str, FlagValue]]:
+    out: list[tuple[str, FlagValue]] = []
+    seen: dict[str, Span] = {}
+    for fl in flags:
+        spec = op.flag(fl.name)
+        if spec is None:
+            names = [f.name for f in op.flags]
+            hint = did_you_mean(fl.name, names) or (
+                f"{op.name} takes: {', '.join(names)}" if names else f"{op.name} takes no flags")
+            raise SpecError(f"unknown flag '{fl.name}' for {op.name}", fl.span, hint=hint)
+        if fl.name in seen:
+            raise SpecError(f"flag '{fl.name}' given twice", fl.span, notes=[("first given here", seen[fl.name])])
+        seen[fl.name] = fl.span
+        try:
+            value = spec.coerce(fl.value)
+        except FlagTypeError as e:
+            raise SpecError(str(e), fl.span, hint=spec.doc) from None
+        out.append((fl.name, FlagValue(value, fl.span.short)))
+    return out
+
+
+def _check_kinds(rule: Rule, op: Op) -> None:
+    alts = rule.class_pattern.alternatives
+    kinds = [a for a in alts if a in KIND_NAMES]
+    for a in alts:
+        if a not in KIND_NAMES and not is_glob(a):
+            close = did_you_mean(a, KIND_NAMES)
+            if close and a.lower() in {k.lower() for k in KIND_NAMES}:
+                raise SpecError(f"unknown kind '{a}'", rule.class_pattern.span, hint=close)
+    if kinds and len(kinds) == len(alts) and not any(k in op.kinds for k in kinds):
+        raise SpecError(
+            f"{op.name} replaces {' or '.join(op.kinds)} modules, not {' or '.join(kinds)}",
+            rule.class_pattern.span, hint=f"write '{op.kinds[0]} -> {op.name}'")
+
+
+def check_spec(spec: Spec) -> CheckedSpec:
+    defaults: list[tuple[str, str, FlagValue]] = []
+    for d in spec.defaults:
+        op = _op_or_error(d.op, d.span)
+        for name, fv in _typed_flags(op, d.flags):
+            defaults.append((op.name, name, fv))
+    rules = []
+    for r in spec.rules:
+        op = _op_or_error(r.op.name, r.op.span)
+        _check_kinds(r, op)
+        rules.append(CheckedRule(r, op.name, tuple(_typed_flags(op, r.op.flags))))
+    return CheckedSpec(spec, tuple(rules), tuple(defaults))

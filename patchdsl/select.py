@@ -1,0 +1,98 @@
+"""Selection: which modules of a ModelIndex each rule matches (pure)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .index import ModelIndex
+from .ops.base import ModuleInfo, Op
+from .ops.registry import KIND_NAMES
+from .syntax.ast import Rule
+from .syntax.errors import SpecError, did_you_mean
+from .syntax.selectors import class_glob_regex, compile_selector
+
+
+@dataclass(frozen=True)
+class Match:
+    info: ModuleInfo
+    how: str          # "kind SwiGLU" or "class Qwen3MLP"
+
+
+def path_matches(rule: Rule, path: str) -> bool:
+    if path == "":
+        return False
+    pos = [s for s in rule.selectors if not s.negated]
+    neg = [s for s in rule.selectors if s.negated]
+    return any(compile_selector(s.text).match(path) for s in pos) and not any(
+        compile_selector(s.text).match(path) for s in neg)
+
+
+def class_match(rule: Rule, info: ModuleInfo, op: Op) -> str | None:
+    """How the rule's class pattern accepts ``info`` (None if it does not)."""
+    for alt in rule.class_pattern.alternatives:
+        if alt in KIND_NAMES:
+            if alt in info.kinds:
+                return f"kind {alt}"
+            continue
+        rx = class_glob_regex(alt)
+        for name in (info.cls,) + info.bases:
+            if rx.match(name):
+                # a class pattern still needs the module to fit one of the op's kinds
+                fits = [k for k in op.kinds if k in info.kinds]
+                if fits:
+                    return f"class {name} ({fits[0]})"
+                return None
+    return None
+
+
+def select(rule: Rule, op: Op, index: ModelIndex) -> list[Match]:
+    out = []
+    for info in index:
+        if not path_matches(rule, info.path):
+            continue
+        how = class_match(rule, info, op)
+        if how:
+            out.append(Match(info, how))
+    return out
+
+
+def explain_no_match(rule: Rule, op: Op, index: ModelIndex) -> SpecError:
+    """A SpecError for a rule that matched nothing, with the most useful hint we can find."""
+    by_path = [i for i in index if path_matches(rule, i.path)]
+    pos = [s for s in rule.selectors if not s.negated]
+    span = pos[0].span
+    if by_path:
+        classes = sorted({i.cls for i in by_path})
+        shown = ", ".join(classes[:4]) + ("..." if len(classes) > 4 else "")
+        pat = rule.class_pattern
+        kinds_there = sorted({k for i in by_path for k in i.kinds})
+        hint = None
+        for alt in pat.alternatives:
+            if alt not in KIND_NAMES:
+                hint = did_you_mean(alt, classes + list(KIND_NAMES))
+        if hint is None and kinds_there:
+            hint = f"those modules are: {', '.join(kinds_there)}"
+        return SpecError(
+            f"'{rule.text.split(':')[0].strip()}' matched {len(by_path)} module(s) ({shown}) but none is "
+            f"{pat.text} that {op.name} can replace", pat.span, hint=hint)
+    # no path matched: suggest a variant selector that would match
+    hints = []
+    for s in pos:
+        for variant in (f"*.{s.text}", f"*{s.text}*", f"{s.text}.*"):
+            try:
+                rx = compile_selector(variant)
+            except SpecError:
+                continue
+            n = sum(1 for i in index if i.path and rx.match(i.path))
+            if n:
+                hints.append(f"'{variant}' matches {n}")
+                break
+    if not hints:
+        names = sorted({i.path.rsplit('.', 1)[-1] for i in index if i.path})
+        dm = did_you_mean(pos[0].text.rsplit(".", 1)[-1], names)
+        if dm:
+            hints.append(dm)
+    sel = ", ".join(("!" if s.negated else "") + s.text for s in rule.selectors)
+    return SpecError(f"'{sel}' matched 0 modules of {index.model_class}", span,
+                     hint="; ".join(hints) + ("; " if hints else "") + "mark the rule 'optional' if that is expected")
