@@ -83,16 +83,17 @@ def _brace(inner: str, span: Span | None, base: int) -> str:
         lo, hi = int(m.group(1)), int(m.group(2))
         if lo > hi:
             raise _err(f"empty range {{{lo}..{hi}}}: the first number must not exceed the second",
-                       span, base, len(inner))
+                       span, base - 1, len(inner) + 2)
         if hi - lo > MAX_RANGE:
-            raise _err(f"range {{{lo}..{hi}}} is too large (at most {MAX_RANGE} values)", span, base, len(inner))
+            raise _err(f"range {{{lo}..{hi}}} is too large (at most {MAX_RANGE} values)", span, base - 1,
+                       len(inner) + 2)
         return "(?:" + "|".join(str(n) for n in range(hi, lo - 1, -1)) + ")"
     if ".." in inner and "," not in inner:
-        raise _err(f"bad range {{{inner}}}", span, base, len(inner),
+        raise _err(f"bad range {{{inner}}}", span, base - 1, len(inner) + 2,
                    hint="a range is two integers, e.g. {0..11}")
     parts = _split_top(inner)
     if any(not p.strip() for p, _ in parts):
-        raise _err("empty alternative in {...}", span, base, max(1, len(inner)),
+        raise _err("empty alternative in {...}", span, base - 1, len(inner) + 2,
                    hint="write alternatives as {q_norm,k_norm}")
     return "(?:" + "|".join(_glob_body(p.strip(), span, base + off) for p, off in parts) + ")"
 

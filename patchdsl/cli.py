@@ -1,0 +1,322 @@
+"""The ``patchdsl`` command line.  It only calls the pipeline's stages.
+
+Exit codes: 0 success, 1 a check failed (verify), 2 bad input (spec or model errors).
+Spec errors never print a Python traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._version import __version__
+from .syntax.errors import SpecError
+
+
+class UsageFailure(Exception):
+    """Bad input that is not a spec error (unknown model, unreadable file): exit 2."""
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def _fail(msg: str) -> None:
+    click.echo(msg, err=True)
+    sys.exit(2)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SpecError as e:
+            _fail(e.render())
+        except UsageFailure as e:
+            _fail(f"error: {e}")
+        except FileNotFoundError as e:
+            _fail(f"error: {e}")
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="patchdsl")
+def main() -> None:
+    """Declarative fused Triton kernels for Hugging Face transformers models."""
+
+
+def _read_spec(path: str):
+    from .syntax import load_spec
+
+    p = Path(path)
+    if not p.exists():
+        from .resources import specs_dir
+
+        shipped = specs_dir() / (p.name if p.suffix == ".kpatch" else p.name + ".kpatch")
+        if shipped.is_file() and "/" not in path:
+            p = shipped
+        else:
+            raise UsageFailure(f"spec file '{path}' not found")
+    if p.is_dir():
+        raise UsageFailure(f"'{path}' is a folder, not a spec file")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageFailure(f"cannot read '{path}': {e}") from None
+    from .syntax.parser import parse_spec
+
+    return parse_spec(text, str(path), base_dir=p.parent)
+
+
+def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str = "cpu", log=None, tiny=False):
+    from .models import ModelLoadError, load_model
+
+    try:
+        return load_model(model, meta=meta, dtype=dtype, device=device, log=log or (lambda m: click.echo(m, err=True)),
+                          tiny=tiny)
+    except ModelLoadError as e:
+        raise UsageFailure(str(e)) from None
+
+
+# ---------------------------------------------------------------- check
+@main.command()
+@click.argument("spec")
+@click.option("--json", "as_json", is_flag=True, help="Print the checked rules as JSON.")
+def check(spec: str, as_json: bool) -> None:
+    """Check a spec's syntax, ops, flags and kinds (no model needed)."""
+    from .check import check_spec
+
+    checked = check_spec(_read_spec(spec))
+    if as_json:
+        out = {"spec": spec, "ok": True, "dtypes": list(checked.spec.dtypes), "rules": [
+            {"rule": cr.rule.span.short, "text": cr.rule.text, "op": cr.op, "optional": cr.rule.optional,
+             "flags": {k: v.value for k, v in cr.explicit}} for cr in checked.rules]}
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(f"{spec}: ok ({len(checked.rules)} rule(s), dtypes {', '.join(checked.spec.dtypes) or 'from the model'})")
+
+
+# ---------------------------------------------------------------- plan
+def _plan(spec: str, model: str, dtype: str | None, target: str | None, tiny: bool = False):
+    from .planner import plan as make_plan
+
+    sp = _read_spec(spec)
+    loaded = _load_model(model, meta=True, tiny=tiny)
+    dts = (dtype,) if dtype else None
+    return make_plan(sp, loaded.model, target=target, dtypes=dts), loaded
+
+
+def _fmt_flags(site) -> str:
+    parts = []
+    for k, v in site.flags:
+        src = dict(site.flag_sources).get(k, "")
+        if src == "op default":
+            continue
+        v = "true" if v is True else "false" if v is False else v
+        parts.append(f"{k}={v}")
+    return ", ".join(parts)
+
+
+def print_plan(p, console=None) -> None:
+    from rich.table import Table
+
+    console = console or _console()
+    t = Table(title=f"patch plan: {p.spec} on {p.model_class} ({p.target}; {', '.join(p.dtypes)})")
+    for col in ("path", "class", "op", "flags", "rule", "matched by"):
+        t.add_column(col, overflow="fold")
+    for s in p.sites:
+        t.add_row(s.path or "<model>", s.cls, s.op, _fmt_flags(s), ", ".join(s.rules), s.matched_by)
+        for c in s.covers:
+            t.add_row(f"  {c}", p.infos[c].cls if c in p.infos else "", f"(fused into {s.op})", "", s.rule, "covered")
+    console.print(t)
+    for name, patched, present in p.totals:
+        console.print(f"{patched}/{present} {name} patched")
+    for u in p.unmatched_optional:
+        console.print(f"optional rule matched nothing: {u}")
+    console.print(f"{len(p.sites)} site(s), {len(p.kernel_keys())} kernel(s) to generate")
+
+
+@main.command()
+@click.argument("spec")
+@click.option("--model", "-m", required=True, help="Hub id, local folder, or path to config.json.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Override the spec's dtype directive.")
+@click.option("--target", type=click.Choice(["cuda", "interpreter"]), help="Kernel target (default: detected).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(spec: str, model: str, dtype: str | None, target: str | None, as_json: bool) -> None:
+    """Resolve SPEC against a model's module tree and print what would be patched."""
+    p, _ = _plan(spec, model, dtype, target)
+    if as_json:
+        click.echo(p.dumps())
+    else:
+        print_plan(p)
+
+
+# ---------------------------------------------------------------- codegen
+@main.command()
+@click.argument("spec")
+@click.option("--model", "-m", required=True)
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the generated kernels.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]))
+@click.option("--target", type=click.Choice(["cuda", "interpreter"]))
+def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | None) -> None:
+    """Write every kernel the plan needs into OUT, for reading."""
+    from .codegen.cache import write_kernel
+
+    p, _ = _plan(spec, model, dtype, target)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for key in p.kernel_keys():
+        path = write_kernel(key, Path(out), flat=True)
+        click.echo(f"wrote {path}")
+
+
+# ---------------------------------------------------------------- apply
+def _device(device: str | None) -> str:
+    import torch
+
+    if device:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@main.command()
+@click.argument("spec")
+@click.option("--model", "-m", required=True)
+@click.option("--steps", type=int, help="Measured training steps (default: 3 on CPU, 20 on GPU).")
+@click.option("--batch", type=int, help="Batch size (default: 1 on CPU, 16 on GPU).")
+@click.option("--seq", type=int, help="Sequence length (default: 16 on CPU, 2048 on GPU).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Model dtype (default: bf16 on GPU, fp32 on CPU).")
+@click.option("--device", help="cpu or cuda[:N] (default: cuda when available).")
+@click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
+@click.option("--lr", type=float, default=1e-4, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the numbers to this JSON file.")
+def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_out) -> None:
+    """Patch a model and train it twice (unpatched, patched) side by side."""
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .planner import plan as make_plan
+    from .workload import Workload, compare_runs
+
+    console = _console()
+    device = _device(device)
+    on_gpu = device.startswith("cuda")
+    dtype = dtype or ("bf16" if on_gpu else "fp32")
+    tiny = (not on_gpu) if tiny is None else tiny
+    d = Workload.default(device)
+    w = Workload(steps or d.steps, batch or d.batch, seq or d.seq, lr, seed, d.warmup)
+    sp = _read_spec(spec)
+    torch.manual_seed(seed)
+    loaded = _load_model(model, meta=False, dtype=dtype, device=device, tiny=tiny)
+    if tiny:
+        console.print(f"[dim]CPU workload: tiny {loaded.model.config.model_type} architecture "
+                      f"(hidden {loaded.model.config.hidden_size}, {loaded.model.config.num_hidden_layers} layers); "
+                      f"pass --full for the real sizes[/dim]")
+    p = make_plan(sp, loaded.model, dtypes=(dtype,))
+    print_plan(p, console)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True) as prog:
+        kt = prog.add_task("generating kernels", total=len(p.kernel_keys()))
+        from .codegen import load_kernel
+
+        for key in p.kernel_keys():
+            load_kernel(key)
+            prog.advance(kt)
+
+        def bar(label, total):
+            t = prog.add_task(f"training {label}", total=total)
+            return lambda n: prog.advance(t, n)
+
+        ref, pat, handle = compare_runs(loaded.model, p, w, bar)
+    for r in handle.refused:
+        console.print(f"[yellow]{r}[/yellow]")
+    t = Table(title=f"{w.steps} steps, batch {w.batch} x {w.seq}, {dtype}, {device}")
+    t.add_column("step", justify="right")
+    t.add_column("loss unpatched", justify="right")
+    t.add_column("loss patched", justify="right")
+    t.add_column("diff", justify="right")
+    for i, (a, b) in enumerate(zip(ref.losses, pat.losses)):
+        t.add_row(str(i + 1), f"{a:.5f}", f"{b:.5f}", f"{b - a:+.2e}")
+    console.print(t)
+    s = Table(show_header=True)
+    s.add_column("")
+    s.add_column("unpatched", justify="right")
+    s.add_column("patched", justify="right")
+    s.add_column("ratio", justify="right")
+    s.add_row("tokens/s", f"{ref.tokens_per_s:,.0f}", f"{pat.tokens_per_s:,.0f}",
+              f"{pat.tokens_per_s / ref.tokens_per_s:.2f}x" if ref.tokens_per_s else "-")
+    s.add_row("step time", f"{ref.step_ms:.1f} ms", f"{pat.step_ms:.1f} ms", "")
+    if ref.peak_mem_bytes is not None:
+        gib = 2 ** 30
+        s.add_row("peak memory", f"{ref.peak_mem_bytes / gib:.2f} GiB", f"{pat.peak_mem_bytes / gib:.2f} GiB",
+                  f"{pat.peak_mem_bytes / ref.peak_mem_bytes:.2f}x")
+    else:
+        s.add_row("peak memory", "n/a on CPU", "n/a on CPU", "")
+    console.print(s)
+    console.print(f"patched {len(handle.patched)} site(s), refused {len(handle.refused)}; "
+                  + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in p.totals))
+    if json_out:
+        Path(json_out).write_text(json.dumps({
+            "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny,
+            "workload": {"steps": w.steps, "batch": w.batch, "seq": w.seq, "lr": w.lr, "seed": w.seed},
+            "unpatched": ref.to_json(), "patched": pat.to_json(),
+            "patched_sites": len(handle.patched), "refused": [str(r) for r in handle.refused],
+            "totals": [{"name": n, "patched": a, "present": b} for n, a, b in p.totals]}, indent=2))
+    handle.undo()
+
+
+# ---------------------------------------------------------------- verify
+@main.command()
+@click.argument("spec")
+@click.option("--model", "-m", required=True)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
+@click.option("--batch", type=int, default=2, show_default=True)
+@click.option("--seq", type=int, default=16, show_default=True)
+@click.option("--steps", type=int, default=0, show_default=True, help="Also compare N optimizer steps.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", help="cpu or cuda (default: cuda when available).")
+@click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json) -> None:
+    """Prove gradient parity of the patched model against a float64 reference."""
+    from .parity import verify as run_verify
+
+    device = _device(device)
+    tiny = (not device.startswith("cuda")) if tiny is None else tiny
+    sp = _read_spec(spec)
+
+    def factory():
+        import torch
+
+        torch.manual_seed(seed)
+        return _load_model(model, meta=False, dtype="fp32", device="cpu", tiny=tiny,
+                           log=lambda m: None).model
+
+    _load_model(model, meta=True, tiny=tiny)   # validate the model id early (exit 2) and say where it came from
+    report = run_verify(sp, factory, dtype=dtype, batch=batch, seq=seq, steps=steps, seed=seed, device=device)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2, default=str))
+    else:
+        report.render_table(_console())
+    sys.exit(0 if report.passed else 1)
+
+
+# ---------------------------------------------------------------- bench
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def bench(ctx) -> None:
+    """Benchmark ops and end-to-end training (GPU); see `patchdsl bench --help`."""
+    from .bench.cli import run as bench_run
+
+    sys.exit(bench_run(ctx.args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
