@@ -1,0 +1,75 @@
+"""Keep the float64 reference in float64.
+
+Hugging Face modeling code upcasts to float32 by hand in the places where precision matters:
+``hidden_states.to(torch.float32)`` in RMSNorm, ``logits.float()`` before the loss,
+``softmax(..., dtype=torch.float32)`` in eager attention.  Run on a float64 model those casts
+*downcast* the reference to float32, which would make the "float64" reference no better than
+fp32 exactly where the fused kernels do their work (and identical to the unpatched fp32 model
+there, so its error would read as 0).
+
+:class:`Float64Mode` is a ``TorchFunctionMode`` active only while the reference model runs
+forward: a cast of a float64 tensor to a narrower float type returns the float64 tensor, and a
+``dtype=`` argument asking for a narrower float is widened to float64 when one of the inputs is
+float64.  Nothing else changes: integer casts, device moves, and tensors that are not float64
+(e.g. ``position_ids.float()``) behave as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _narrow_floats():
+    import torch
+
+    return (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _has_f64(obj: Any, depth: int = 0) -> bool:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype == torch.float64
+    if depth < 2 and isinstance(obj, (tuple, list)):
+        return any(_has_f64(o, depth + 1) for o in obj)
+    return False
+
+
+def float64_mode():
+    """A fresh context manager keeping float64 computations in float64 (see module doc)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    narrow = _narrow_floats()
+    f64 = torch.float64
+    T = torch.Tensor
+    down_methods = {T.float, T.half, T.bfloat16}
+    to_methods = {T.to, T.type}
+
+    class Float64Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func in down_methods:
+                if args and isinstance(args[0], torch.Tensor) and args[0].dtype == f64:
+                    return args[0]
+            elif func in to_methods:
+                if args and isinstance(args[0], torch.Tensor) and args[0].dtype == f64:
+                    new_args = [args[0]]
+                    for a in args[1:]:
+                        if isinstance(a, torch.dtype) and a in narrow:
+                            a = f64
+                        elif isinstance(a, torch.Tensor) and a.dtype in narrow:   # .to(other)
+                            a = a.device
+                        elif isinstance(a, str) and func is T.type and a in ("torch.FloatTensor",
+                                                                              "torch.HalfTensor",
+                                                                              "torch.BFloat16Tensor"):
+                            a = "torch.DoubleTensor"
+                        new_args.append(a)
+                    args = tuple(new_args)
+                    if kwargs.get("dtype") in narrow:
+                        kwargs["dtype"] = f64
+            elif kwargs.get("dtype") in narrow and (_has_f64(args) or any(_has_f64(v) for v in kwargs.values())):
+                kwargs["dtype"] = f64
+            return func(*args, **kwargs)
+
+    return Float64Mode()

@@ -1,0 +1,169 @@
+"""The result of ``patchdsl verify``: one row per compared quantity, a table and JSON."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Check:
+    """One compared quantity.
+
+    ``kind``: "site" (a patched module run on its own, on the reference's inputs), "end-to-end"
+    (the whole model) or "step" (a training step's loss).  ``quantity``: "output", "loss",
+    "logits", "grad_input", "grad_<parameter>" (relative to the site's module), or for
+    end-to-end gradients "grad" with the parameter's full path in ``path``.
+    """
+
+    kind: str
+    path: str
+    op: str
+    quantity: str
+    max_abs_err: float
+    max_rel_err: float
+    rel_fro_err: float       # the patched model's error against float64
+    reference_err: float     # the unpatched model's error (same dtype) against float64
+    tolerance: float         # factor * reference_err + floor
+    passed: bool
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: _num(v) for k, v in asdict(self).items()}
+
+
+def _num(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, float) and math.isnan(v):
+        return "nan"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf"
+    return f"{v:.2e}"
+
+
+@dataclass
+class ParityReport:
+    dtype: str
+    device: str
+    target: str
+    model_class: str
+    spec: str
+    batch: int
+    seq: int
+    steps: int
+    seed: int
+    factor: float
+    floor: float
+    rows: list[Check] = field(default_factory=list)
+    sites: list[dict[str, str]] = field(default_factory=list)   # {"path", "op", "host"} in plan order
+    refused: list[str] = field(default_factory=list)
+    grads_compared: int = 0
+
+    # ---- results -------------------------------------------------------------------
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    def failures(self) -> list[Check]:
+        return [r for r in self.rows if not r.passed]
+
+    def failed_sites(self) -> list[str]:
+        """Paths of the patched sites with at least one failing check, in plan order."""
+        bad = {r.path for r in self.rows if r.kind == "site" and not r.passed}
+        return [s["path"] for s in self.sites if s["path"] in bad]
+
+    def site_rows(self, path: str) -> list[Check]:
+        return [r for r in self.rows if r.kind == "site" and r.path == path]
+
+    @property
+    def verdict(self) -> str:
+        n_sites = len(self.sites)
+        if not self.rows:
+            return "FAIL: nothing was compared"
+        if self.passed:
+            s = (f"PASS: {n_sites} patched site(s) and the whole model ({self.grads_compared} parameter gradients"
+                 f"{f', {self.steps} step(s)' if self.steps else ''}) match float64 as well as the unpatched "
+                 f"model does in {self.dtype} (factor {self.factor:g}, floor {self.floor:.1e})")
+        else:
+            bad = self.failed_sites()
+            parts = []
+            if bad:
+                ops = {s["path"]: s["op"] for s in self.sites}
+                parts.append(f"{len(bad)} of {n_sites} site(s) failed: "
+                             + ", ".join(f"{p or '<model>'} ({ops[p]})" for p in bad[:8])
+                             + (" ..." if len(bad) > 8 else ""))
+            e2e = [r for r in self.failures() if r.kind == "end-to-end"]
+            if e2e:
+                parts.append(f"{len(e2e)} end-to-end check(s) failed")
+            st = [r for r in self.failures() if r.kind == "step"]
+            if st:
+                parts.append(f"{len(st)} training step(s) diverged")
+            s = "FAIL: " + "; ".join(parts)
+        if self.refused:
+            s += f" ({len(self.refused)} site(s) refused and left unpatched)"
+        return s
+
+    # ---- output --------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        sites = []
+        for s in self.sites:
+            rows = self.site_rows(s["path"])
+            sites.append({
+                "path": s["path"], "op": s["op"], "host": s["host"],
+                "passed": bool(rows) and all(r.passed for r in rows),
+                "max_abs_err": _num(max((r.max_abs_err for r in rows), default=0.0)),
+                "max_rel_err": _num(max((r.max_rel_err for r in rows), default=0.0)),
+                "checks": [r.to_json() for r in rows],
+            })
+        return {
+            "passed": self.passed, "verdict": self.verdict,
+            "dtype": self.dtype, "device": self.device, "target": self.target,
+            "model_class": self.model_class, "spec": self.spec,
+            "batch": self.batch, "seq": self.seq, "n_steps": self.steps, "seed": self.seed,
+            "tolerance": {"factor": self.factor, "floor": self.floor,
+                          "rule": "rel_fro_err <= factor * reference_err + floor, all values finite"},
+            "sites": sites,
+            "end_to_end": [r.to_json() for r in self.rows if r.kind == "end-to-end"],
+            "steps": [r.to_json() for r in self.rows if r.kind == "step"],
+            "grads_compared": self.grads_compared,
+            "refused": list(self.refused),
+        }
+
+    def table(self):
+        """The report as a ``rich.table.Table``."""
+        from rich.table import Table
+
+        t = Table(title=f"patchdsl verify: {self.spec} on {self.model_class} ({self.dtype}, {self.device}, "
+                        f"batch {self.batch} x seq {self.seq})")
+        for col, just in (("", "left"), ("kind", "left"), ("path", "left"), ("op", "left"), ("quantity", "left"),
+                          ("rel err", "right"), ("HF err", "right"), ("bound", "right"),
+                          ("max abs", "right"), ("max rel", "right")):
+            t.add_column(col, justify=just, overflow="fold")
+        for r in self.rows:
+            mark = "[green]ok[/]" if r.passed else "[bold red]FAIL[/]"
+            q = r.quantity + (f" ({r.note})" if r.note else "")
+            t.add_row(mark, r.kind, r.path or "<model>", r.op, q, _fmt(r.rel_fro_err), _fmt(r.reference_err),
+                      _fmt(r.tolerance), _fmt(r.max_abs_err), _fmt(r.max_rel_err))
+        return t
+
+    def render_table(self, console: Any = None) -> None:
+        """Print the table, then the one-line verdict, to ``console`` (a rich Console; default stdout)."""
+        if console is None:
+            from rich.console import Console
+
+            console = Console(highlight=False, soft_wrap=True)
+        console.print(self.table())
+        for r in self.refused:
+            console.print(f"refused: {r}")
+        style = "bold green" if self.passed else "bold red"
+        console.print(f"[{style}]{self.verdict}[/]")
+
+    def exit_code(self) -> int:
+        """0 when parity holds, 1 when a check failed (the CLI's convention)."""
+        return 0 if self.passed else 1
