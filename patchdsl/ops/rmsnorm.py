@@ -32,6 +32,19 @@ def row_warps(block: int) -> int:
     return 1 if block <= 256 else 2 if block <= 1024 else 4 if block <= 4096 else 8 if block <= 8192 else 16
 
 
+def rows_per_tile(block: int, single_pass: bool, target: str) -> int:
+    """Rows one program normalises at once (a [ROWS, BLOCK] tile) in the one-pass kernels.
+
+    Short rows leave most of a program idle, so several are processed together; the
+    interpreter also runs faster on bigger tiles (fewer Python-level steps).
+    """
+    if not single_pass:
+        return 1
+    if target == "interpreter":
+        return max(1, min(8, 4096 // block))
+    return max(1, min(16, 4096 // block))
+
+
 def resolve_auto(flags: Mapping[str, Any], name: str, detected: Any) -> Any:
     v = flags.get(name, "auto")
     return detected if v == "auto" else v
@@ -63,13 +76,16 @@ class FusedRMSNorm(Op):
         if flags.get("block", "auto") != "auto":
             block = next_pow2(int(flags["block"]))
             single = block >= hidden
-        rows = 1 if target == "interpreter" or hidden > 2048 else (4 if hidden <= 512 else 2)
         return {
             "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
             "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
-            "num_warps": row_warps(block), "rows_per_program": rows, "bwd_programs_per_sm": 4,
-            "target": target, "tag": f"h{hidden}",
+            "ROWS": rows_per_tile(block, single, target), "num_warps": row_warps(block),
+            "bwd_programs_per_sm": 4, "target": target, "tag": f"h{hidden}",
         }
+
+    def kernel_name(self, params: Mapping[str, Any]) -> str:
+        off = f"_off{params['offset']:g}" if params["offset"] else ""
+        return f"{self.name}_{params['dtype']}_h{params['hidden']}_{params['casting']}{off}_{params['target']}"
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         f = info.facts("RMSNorm")

@@ -1,0 +1,349 @@
+"""fused_add_rmsnorm: a pre-norm decoder layer's second residual add fused with its RMSNorm.
+
+Applied to a decoder layer (kind ``DecoderLayer``) whose forward is the pre-norm pattern of
+Llama / Qwen2 / Qwen3 / Mistral::
+
+    residual = h; h = input_layernorm(h); h = self_attn(hidden_states=h, ...)[0]
+    h = residual + h; residual = h; h = post_attention_layernorm(h); h = mlp(h); h = residual + h
+
+The replacement forward calls ``input_layernorm``, ``self_attn`` and ``mlp`` as modules (they may
+be patched themselves, or wrapped by PEFT) and computes ``residual + attn_out`` together with
+``post_attention_layernorm`` of it in one kernel, reading ``post_attention_layernorm.weight`` at
+call time.  Every argument the layer receives is passed to ``self_attn`` exactly as the original
+forward does (bound against the original signature, defaults applied).
+
+``check`` refuses other layouts (Gemma 3's sandwich norms) and any layer whose forward does
+something else: it runs the class's own forward and the replacement on a tiny CPU stand-in
+(stand-in norm / attention / MLP modules, the real RMSNorm class with a random weight) and
+compares the outputs and what reached ``self_attn``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import OrderedDict
+from typing import Any, Callable, Mapping
+
+from .base import FlagSpec, ModuleInfo, Op
+from .registry import register
+from .rmsnorm import next_pow2, resolve_auto, row_block, row_warps, rows_per_tile
+
+CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def reference_add_rmsnorm(x, residual, w, eps: float, offset: float, casting: str):
+    """Plain-torch (normed, new_residual) with the given cast order (used by the probe)."""
+    import torch
+
+    s = x + residual
+    sf = s.float()
+    n = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "gemma":
+        y = (n * (offset + w.float())).to(s.dtype)
+    else:
+        y = (offset + w) * n.to(s.dtype) if offset else w * n.to(s.dtype)
+    return y, s
+
+
+# ---- how the original forward is called ------------------------------------------------------
+def _wrapper_chain(fn: Any) -> list:
+    chain, seen = [], 0
+    while fn is not None and seen < 16:
+        chain.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+        seen += 1
+    return chain
+
+
+def _closure_vars(fn: Any) -> dict:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells:
+        return {}
+    out = {}
+    for name, cell in zip(code.co_freevars, cells):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:
+            pass
+    return out
+
+
+def kwarg_renames(fn: Any) -> list[tuple[str, str]]:
+    """(old, new) keyword renames applied by transformers' ``deprecate_kwarg`` wrappers on ``fn``."""
+    out = []
+    for f in _wrapper_chain(fn):
+        v = _closure_vars(f)
+        if isinstance(v.get("old_name"), str) and isinstance(v.get("new_name"), str):
+            out.append((v["old_name"], v["new_name"]))
+    return out
+
+
+def checkpoints_in_forward(fn: Any) -> bool:
+    """True when the class forward is transformers' gradient-checkpointing wrapper (5.2x+).
+
+    Older versions checkpoint in ``GradientCheckpointingLayer.__call__``, which still wraps an
+    instance-level forward; newer ones wrap the class ``forward``, which a replacement bypasses,
+    so the replacement has to checkpoint itself.
+    """
+    return any(getattr(getattr(f, "__code__", None), "co_name", "") == "forward_with_checkpointing"
+               for f in _wrapper_chain(fn))
+
+
+def build_forward(cls: type, fused: Callable) -> Callable:
+    """The replacement ``forward(self, *args, **kwargs)`` for a pre-norm layer of class ``cls``.
+
+    ``fused(attn_out, residual, weight) -> (normed, new_residual)``.
+    """
+    import torch
+
+    orig = cls.forward
+    sig = inspect.signature(orig)
+    params = list(sig.parameters.values())
+    self_name, hs_name = params[0].name, params[1].name
+    varkw = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    renames = kwarg_renames(orig)
+    ckpt = checkpoints_in_forward(orig)
+
+    def body(self, *args, **kwargs):
+        for old, new in renames:
+            if old in kwargs:
+                if new in kwargs:
+                    kwargs.pop(old)
+                else:
+                    kwargs[new] = kwargs.pop(old)
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        a.pop(self_name)
+        hidden_states = a.pop(hs_name)
+        extra = a.pop(varkw, None) if varkw else None
+        if extra:
+            a.update(extra)
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        attn_out = self.self_attn(hidden_states=hidden_states, **a)[0]
+        normed, residual = fused(attn_out, residual, self.post_attention_layernorm.weight)
+        return residual + self.mlp(normed)
+
+    def forward(self, *args, **kwargs):
+        if ckpt and getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+            # What transformers' forward_with_checkpointing does, for the replacement forward.
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            if not getattr(self, "_can_checkpoint_with_cache", False):
+                for n in ("cache", "past_key_values", "layer_past"):
+                    if kwargs.get(n) is not None:
+                        kwargs[n] = None
+            return self._gradient_checkpointing_func(functools.partial(body, self, **kwargs), *args)
+        return body(self, *args, **kwargs)
+
+    forward.__doc__ = f"fused_add_rmsnorm replacement of {cls.__name__}.forward"
+    return forward
+
+
+# ---- the structural probe ----------------------------------------------------------------------
+class _Sentinel:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<probe {self.name}>"
+
+    def __bool__(self) -> bool:  # ``if use_cache:`` and the like must not take a branch
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _stand_in_classes():
+    import torch
+
+    class NormStandIn(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(x) + 0.25 * x
+
+    class AttnStandIn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def forward(self, *args, **kwargs):
+            self.calls.append((args, kwargs))
+            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            return h.flip(-1) * 0.75 + torch.sin(h), None
+
+    class MLPStandIn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return torch.sigmoid(x) * x.roll(1, -1) * 1.5
+
+    class CallTrap(torch.nn.Module):
+        """Stands in for any other child module: records that the forward used it."""
+
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x, *args, **kwargs):
+            self.calls += 1
+            return x
+
+    return NormStandIn, AttnStandIn, MLPStandIn, CallTrap
+
+
+def _stand_in_layer(module: Any, hidden: int):
+    import torch
+
+    from .kinds import _stand_in
+
+    Norm, Attn, MLP, Trap = _stand_in_classes()
+    g = torch.Generator().manual_seed(3)
+    clone = type(module).__new__(type(module))
+    d = dict(module.__dict__)
+    d.pop("forward", None)
+    for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+              "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+        if k in d:
+            d[k] = OrderedDict()
+    d["_parameters"] = OrderedDict()
+    d["_buffers"] = OrderedDict()
+    mods = OrderedDict((k, Trap()) for k in module.__dict__["_modules"])
+    pln = module.post_attention_layernorm
+    mods["input_layernorm"] = Norm()
+    mods["self_attn"] = Attn()
+    mods["post_attention_layernorm"] = _stand_in(pln, weight=torch.randn(hidden, generator=g) * 0.5 + 0.2)
+    mods["mlp"] = MLP()
+    d["_modules"] = mods
+    d["training"] = False
+    clone.__dict__.update(d)
+    return clone
+
+
+def probe_structure(module: Any, facts: Mapping[str, Any]) -> str | None:
+    """Run the class forward and the replacement on a CPU stand-in; a reason if they differ."""
+    import torch
+
+    cls = type(module)
+    try:
+        sig = inspect.signature(cls.forward)
+    except (TypeError, ValueError):
+        return f"{cls.__name__}.forward has no readable signature"
+    params = list(sig.parameters.values())
+    if len(params) < 2 or any(p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)
+                              for p in params[1:]):
+        return f"{cls.__name__}.forward{sig} is not (self, hidden_states, named arguments..., **kwargs)"
+    hidden = int(facts["hidden"])
+    eps, offset = float(facts["eps"]), float(facts["offset"])
+    casting = facts["casting"] if facts["casting"] in ("llama", "gemma") else "llama"
+    named = {p.name: _Sentinel(p.name) for p in params[2:]
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        named["patchdsl_probe_extra"] = _Sentinel("patchdsl_probe_extra")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, hidden, generator=g)
+    replacement = build_forward(cls, lambda a, r, w: reference_add_rmsnorm(a, r, w, eps, offset, casting))
+    runs = []
+    for fn in (cls.forward, replacement):
+        layer = _stand_in_layer(module, hidden)
+        try:
+            with torch.no_grad():
+                out = fn(layer, x.clone(), **named)
+        except Exception as e:  # the forward needs something the stand-in does not have
+            msg = str(e).splitlines()[0] if str(e) else ""
+            return f"its forward could not be checked on a stand-in ({type(e).__name__}: {msg[:120]})"
+        used = [k for k, v in layer._modules.items() if k not in CHILDREN and getattr(v, "calls", 0)]
+        if used:
+            return (f"its forward also calls self.{used[0]} (dropout or an extra norm?), "
+                    "which the fused pre-norm forward would skip")
+        runs.append((out, layer.self_attn.calls, layer.mlp.calls))
+    (o_ref, calls_ref, mlp_ref), (o_new, calls_new, mlp_new) = runs
+    if not isinstance(o_ref, torch.Tensor):
+        return f"its forward returns {type(o_ref).__name__}, not a tensor (expected the transformers 5.x layer API)"
+    if len(calls_ref) != 1 or mlp_ref != 1:
+        return (f"its forward calls self_attn {len(calls_ref)} time(s) and mlp {mlp_ref} time(s); "
+                "the pre-norm layout calls each once")
+    (args_r, kw_r), (args_n, kw_n) = calls_ref[0], calls_new[0]
+    if len(args_r) != len(args_n) or set(kw_r) != set(kw_n) or any(
+            not (kw_r[k] is kw_n[k] or (isinstance(kw_r[k], torch.Tensor) and isinstance(kw_n[k], torch.Tensor)
+                                         and kw_r[k].shape == kw_n[k].shape and torch.allclose(kw_r[k], kw_n[k])))
+            for k in kw_r):
+        return ("its forward passes different arguments to self_attn than the pre-norm pattern "
+                f"(original: {sorted(kw_r)}, {len(args_r)} positional)")
+    if not isinstance(o_new, torch.Tensor) or o_new.shape != o_ref.shape or not torch.allclose(
+            o_new, o_ref, rtol=1e-5, atol=1e-5):
+        return ("its forward does not compute the pre-norm pattern residual + mlp(post_attention_layernorm("
+                "residual + self_attn(input_layernorm(h))))")
+    return None
+
+
+class FusedAddRMSNorm(Op):
+    name = "fused_add_rmsnorm"
+    kinds = ("DecoderLayer",)
+    template = "fused_add_rmsnorm.py.j2"
+    covers = ("post_attention_layernorm",)
+    doc = ("A pre-norm decoder layer's `residual + attn_out` and `post_attention_layernorm` in one kernel "
+           "(returns both); backward takes both gradients.")
+    flags = (
+        FlagSpec("eps", "float", "auto", "epsilon added to the mean square; auto = the norm's own", auto_ok=True, min=0.0),
+        FlagSpec("offset", "float", "auto", "scale is (offset + w); auto = probed (0 Llama/Qwen, 1 Gemma)", auto_ok=True),
+        FlagSpec("casting", "choice", "auto", "llama: cast then scale; gemma: scale in fp32 then cast; auto = probed",
+                 choices=("llama", "gemma"), auto_ok=True),
+        FlagSpec("block", "int", "auto", "block size in elements (power of two); auto = by hidden size",
+                 auto_ok=True, min=16),
+    )
+
+    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+        f = info.facts("DecoderLayer")
+        hidden = int(f["hidden"])
+        eps = float(resolve_auto(flags, "eps", f["eps"]))
+        offset = float(resolve_auto(flags, "offset", f["offset"]))
+        casting = resolve_auto(flags, "casting", f["casting"])
+        if casting == "unknown":
+            casting = "llama"
+        block, single = row_block(hidden, target)
+        if flags.get("block", "auto") != "auto":
+            block = next_pow2(int(flags["block"]))
+            single = block >= hidden
+        return {
+            "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
+            "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
+            "ROWS": rows_per_tile(block, single, target), "num_warps": row_warps(block),
+            "bwd_programs_per_sm": 4, "target": target, "tag": f"h{hidden}",
+        }
+
+    def kernel_name(self, params: Mapping[str, Any]) -> str:
+        off = f"_off{params['offset']:g}" if params["offset"] else ""
+        return f"{self.name}_{params['dtype']}_h{params['hidden']}_{params['casting']}{off}_{params['target']}"
+
+    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+        f = info.facts("DecoderLayer")
+        if not f:
+            return ("not a decoder layer (needs input_layernorm, self_attn, post_attention_layernorm "
+                    "(an RMSNorm) and mlp)")
+        if f["layout"] != "prenorm":
+            return (f"layout is {f['layout']} (extra norms around attention/MLP, e.g. Gemma 3); "
+                    "fused_add_rmsnorm needs the pre-norm layout (Llama/Qwen/Mistral)")
+        if f["casting"] == "unknown" and flags.get("casting", "auto") == "auto":
+            return "post_attention_layernorm matches neither the Llama nor the Gemma cast order; set casting= explicitly"
+        w = getattr(getattr(module, "post_attention_layernorm", None), "weight", None)
+        if w is None or tuple(w.shape) != (int(f["hidden"]),):
+            return "post_attention_layernorm has no weight of shape (hidden,)"
+        return probe_structure(module, f)
+
+    def make_forward(self, module, kernels, flags, info):
+        def fused(x, residual, w):
+            if x.dtype != residual.dtype:
+                import torch
+
+                dt = torch.promote_types(x.dtype, residual.dtype)
+                x, residual = x.to(dt), residual.to(dt)
+            return kernels(x.dtype).add_rmsnorm(x, residual, w)
+
+        return build_forward(type(module), fused)
+
+
+register(FusedAddRMSNorm())
