@@ -1,0 +1,234 @@
+"""fused_swiglu: the elementwise silu(gate) * up of a gated MLP, forward and backward.
+
+The matmuls stay in cuBLAS: the patched forward calls the module's own projection modules
+(``gate_proj`` / ``up_proj``, or Phi-3's ``gate_up_proj``, and ``down_proj``), so bias, PEFT LoRA
+and quantised linears all keep working; only ``act(gate) * up`` between them is replaced by the
+generated kernel (``templates/fused_glu.py.j2``, shared with fused_geglu).
+
+Memory: eager PyTorch keeps gate, up and act(gate) for backward; the fused op keeps gate and up
+(or the one gate_up buffer) and recomputes the activation.  With ``in_place=true`` (default) the
+backward also writes d_gate / d_up over those saved buffers instead of allocating new ones.  That
+is safe because the buffers are the fresh outputs of the projection modules, passed to nothing
+but the kernel: nn.Linear (and PEFT's LoRA, which adds its delta to the base output) saves its
+INPUT and weight for backward, never its output.  The kernel's autograd function further refuses
+to overwrite a leaf tensor, a view, or a buffer it had to copy, and raises if a retained graph
+runs the backward a second time.  Caveat, documented: a forward hook on a projection module that
+keeps its output tensor will see it overwritten after backward; set ``in_place=false`` then.
+
+Bias: a projection with bias is accepted.  The bias is applied by the projection module itself,
+before the kernel, so the result is exact; nothing in the kernel assumes bias-free projections.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .base import FlagSpec, ModuleInfo, Op
+from .registry import register
+from .rmsnorm import next_pow2, row_block
+
+SUPPORTED_DTYPES = ("fp32", "bf16", "fp16")
+
+# Largest single-pass block on the GPU; longer rows loop over tiles of CUDA_LOOP_BLOCK.
+CUDA_MAX_BLOCK = 4096
+CUDA_LOOP_BLOCK = 2048
+# Elements one program should cover when rows are short (several rows per program).
+CUDA_TILE = 4096
+INTERP_TILE = 1024
+
+ACT_TEXT = {"silu": "silu", "gelu": "gelu (exact, erf)", "gelu_tanh": "gelu (tanh approximation)"}
+
+
+def glu_config(inter: int, target: str, block: Any = "auto") -> dict[str, Any]:
+    """BLOCK, single pass or loop, rows per program and warps for rows of ``inter`` elements."""
+    if block != "auto":
+        b = next_pow2(int(block))
+        single = b >= inter
+    elif target == "interpreter":
+        b, single = row_block(inter, target)
+    else:
+        b = next_pow2(inter)
+        single = b <= CUDA_MAX_BLOCK
+        if not single:
+            b = CUDA_LOOP_BLOCK
+    tile = INTERP_TILE if target == "interpreter" else CUDA_TILE
+    rows = max(1, min(32, tile // b)) if single else 1
+    warps = max(1, min(8, (rows * b) // 512))
+    return {"BLOCK": b, "single_pass": single, "n_tiles": -(-inter // b), "ROWS": rows, "num_warps": warps}
+
+
+class FusedGLU(Op):
+    """Shared by fused_swiglu and fused_geglu; subclasses set the kind and how to pick the activation."""
+
+    template = "fused_glu.py.j2"
+    kind: str = ""
+    fn: str = ""       # name of the generated entry point: swiglu / geglu
+    cls_name: str = ""
+
+    def activation(self, facts: Mapping[str, Any], flags: Mapping[str, Any]) -> str:
+        raise NotImplementedError
+
+    # ---- planning ---------------------------------------------------------------
+    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+        f = info.facts(self.kind)
+        if not f:
+            raise ValueError(f"{self.name}: {info.path or '<module>'} ({info.cls}) is not a {self.kind} MLP")
+        inter = int(f["intermediate"])
+        act = self.activation(f, flags)
+        cfg = glu_config(inter, target, flags.get("block", "auto"))
+        fused = bool(f["fused_gate_up"])
+        return {
+            "dtype": dtype, "intermediate": inter, "hidden": int(f["hidden"]), "activation": act,
+            "fused_gate_up": fused, "fn": self.fn, "cls": self.cls_name, "target": target,
+            "tag": f"{act}_mul_i{inter}" + ("_gate_up" if fused else ""), **cfg,
+        }
+
+    def kernel_name(self, params: Mapping[str, Any]) -> str:
+        parts = [self.name, params["activation"], params["dtype"], f"i{params['intermediate']}"]
+        if params["fused_gate_up"]:
+            parts.append("gate_up")
+        parts.append(params["target"])
+        return "_".join(parts)
+
+    # ---- runtime ----------------------------------------------------------------
+    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+        where = f"{info.path or '<module>'} ({info.cls})"
+        f = info.facts(self.kind)
+        if not f:
+            for other in ("SwiGLU", "GeGLU"):
+                g = info.facts(other)
+                if g and other != self.kind:
+                    better = "fused_geglu" if other == "GeGLU" else "fused_swiglu"
+                    return (f"{where} computes {g['activation']}(gate) * up, a {other} MLP, not {self.kind}; "
+                            f"use {better}")
+            return (f"{where} is not a {self.kind} MLP (needs gate_proj + up_proj or gate_up_proj, down_proj "
+                    f"and an act_fn / activation_fn computing {self.kind_activation_text()})")
+        names = ("gate_up_proj", "down_proj") if f["fused_gate_up"] else ("gate_proj", "up_proj", "down_proj")
+        missing = [n for n in names if getattr(module, n, None) is None]
+        if missing:
+            return f"{where} has no {', '.join(missing)} (the index says it should; was it changed after indexing?)"
+        # The probe checks the module against the activation it was recognised with; a GeGLU
+        # approximate= override then deliberately changes only the kernel's formula.
+        return probe_forward(module, f, f["activation"], where)
+
+    def kind_activation_text(self) -> str:
+        return "silu" if self.kind == "SwiGLU" else "gelu"
+
+    def make_forward(self, module, kernels, flags, info):
+        f = info.facts(self.kind)
+        in_place = bool(flags.get("in_place", True))
+        supported = _supported_dtypes()
+
+        if f["fused_gate_up"]:
+            def forward(self, x, *args, **kwargs):
+                gu = self.gate_up_proj(x)
+                if gu.dtype not in supported:
+                    return type(self).forward(self, x, *args, **kwargs)
+                return self.down_proj(kernels(gu.dtype).glu(gu, in_place=in_place))
+        else:
+            def forward(self, x, *args, **kwargs):
+                gate = self.gate_proj(x)
+                up = self.up_proj(x)
+                if gate.dtype != up.dtype:       # e.g. one projection wrapped in an fp32 adapter
+                    dt = __import__("torch").promote_types(gate.dtype, up.dtype)
+                    gate, up = gate.to(dt), up.to(dt)
+                if gate.dtype not in supported:
+                    return type(self).forward(self, x, *args, **kwargs)
+                return self.down_proj(kernels(gate.dtype).glu(gate, up, in_place=in_place))
+
+        return forward
+
+
+def _supported_dtypes():
+    import torch
+
+    return (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _reference_activation(name: str):
+    import torch.nn.functional as F
+
+    return {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[name]
+
+
+def probe_forward(module: Any, facts: Mapping[str, Any], activation: str, where: str) -> str | None:
+    """Run the module's own class ``forward`` on a tiny float64 stand-in (its projections replaced by
+    small random Linears, everything else kept) and compare with down(act(gate(x)) * up(x)).
+
+    Catches what the structural recogniser cannot see: an MLP whose forward swaps gate and up,
+    chunks gate_up the other way round, adds dropout or scaling, or uses another activation.
+    Returns None if it matches, else the reason.  Never touches the module's own tensors.
+    """
+    import torch
+
+    from .kinds import _stand_in
+
+    g = torch.Generator().manual_seed(7)
+    h, i = 8, 12
+    fused = bool(facts["fused_gate_up"])
+
+    def lin(n_in, n_out, bias):
+        m = torch.nn.Linear(n_in, n_out, bias=bias, dtype=torch.float64)
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(n_out, n_in, generator=g, dtype=torch.float64) / n_in ** 0.5)
+            if bias:
+                m.bias.copy_(torch.randn(n_out, generator=g, dtype=torch.float64) * 0.1)
+        return m
+
+    def has_bias(name):
+        from .kinds import linear_like
+        lin_ = linear_like(getattr(module, name, None))
+        return lin_ is not None and lin_.bias is not None
+
+    clone = _stand_in(module)
+    clone._modules.update({k: v for k, v in module._modules.items()
+                           if k not in ("gate_proj", "up_proj", "gate_up_proj", "down_proj")})
+    projs = {"down_proj": lin(i, h, has_bias("down_proj"))}
+    if fused:
+        projs["gate_up_proj"] = lin(h, 2 * i, has_bias("gate_up_proj"))
+    else:
+        projs["gate_proj"] = lin(h, i, has_bias("gate_proj"))
+        projs["up_proj"] = lin(h, i, has_bias("up_proj"))
+    clone._modules.update(projs)
+    clone.train(False)
+    x = torch.randn(3, h, generator=g, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            out = type(module).forward(clone, x)
+    except Exception as e:  # a forward that needs more than (x) or real sizes
+        return f"{where}: could not probe its forward on a small stand-in ({type(e).__name__}: {e})"
+    act = _reference_activation(activation)
+    with torch.no_grad():
+        if fused:
+            gate, up = projs["gate_up_proj"](x).chunk(2, dim=-1)
+        else:
+            gate, up = projs["gate_proj"](x), projs["up_proj"](x)
+        ref = projs["down_proj"](act(gate) * up)
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape or not torch.allclose(out, ref, rtol=1e-9, atol=1e-12):
+        layout = "gate_up_proj(x) split gate-first" if fused else "gate_proj(x), up_proj(x)"
+        return (f"{where}: its forward does not compute down_proj({activation}(gate) * up) with "
+                f"{layout}; not patched")
+    return None
+
+
+class FusedSwiGLU(FusedGLU):
+    name = "fused_swiglu"
+    kinds = ("SwiGLU",)
+    kind = "SwiGLU"
+    fn = "swiglu"
+    cls_name = "SwiGLU"
+    doc = ("silu(gate) * up fused, forward and backward; saves gate and up only (activation recomputed), "
+           "optionally writes the gradients over them; projections stay the module's own (cuBLAS, LoRA ok).")
+    flags = (
+        FlagSpec("in_place", "bool", True,
+                 "backward writes d_gate/d_up over the saved projection outputs (no allocation); "
+                 "false if a hook keeps those outputs"),
+        FlagSpec("block", "int", "auto", "block size in elements (rounded up to a power of two); "
+                 "auto = by intermediate size", auto_ok=True, min=16),
+    )
+
+    def activation(self, facts, flags):
+        return "silu"
+
+
+register(FusedSwiGLU())
