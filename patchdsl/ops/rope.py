@@ -1,0 +1,140 @@
+"""fused_rope: HF's rotate_half RoPE of q and k in one launch (any GQA head counts, partial rotary).
+
+The op replaces the ATTENTION module's forward (see :mod:`patchdsl.ops.attention_forward`):
+the projections run through the projection modules, q_norm/k_norm (Qwen3, Gemma3) are called as
+modules (they may be patched themselves), and the kernel rotates q and k in the contiguous
+(batch, seq, heads, head_dim) projection layout before HF's transpose.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .base import FlagSpec, ModuleInfo, Op
+from .registry import register
+from .rmsnorm import next_pow2
+
+SUPPORTED_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
+
+
+def rope_geometry(f: Mapping[str, Any], flags: Mapping[str, Any], target: str) -> dict[str, Any]:
+    """Tile shapes for the rope kernels (shared with fused_qk_norm_rope).
+
+    A tile is (heads x rotary half); all heads of a token fit one tile when
+    heads * half <= block (auto: 4096 elements on cuda, 1024 on the interpreter), else the
+    heads are looped in tiles.  Short tokens are packed several per program on cuda.
+    """
+    d = int(f["head_dim"])
+    r = int(f["rotary_dim"])
+    nq, nk = int(f["n_heads"]), int(f["n_kv_heads"])
+    half = r // 2
+    half_pad = next_pow2(half)
+    pass_dim = d - r
+    pass_pad = next_pow2(pass_dim) if pass_dim else 0
+    block = flags.get("block", "auto")
+    cap = (1024 if target == "interpreter" else 4096) if block == "auto" else next_pow2(int(block))
+    max_heads = max(1, cap // half_pad)
+
+    def tiling(nh: int) -> tuple[int, bool, bool]:
+        bh = min(next_pow2(nh), max_heads)
+        loop = bh < nh
+        return bh, loop, nh % bh != 0 if loop else bh != nh
+
+    bq, q_loop, q_mask = tiling(nq)
+    bk, k_loop, k_mask = tiling(nk)
+    tpp = flags.get("tokens_per_program", "auto")
+    if tpp == "auto":
+        per_token = (nq + nk) * d
+        if target == "interpreter":
+            tpp = 2
+        else:
+            tpp = 1 if per_token >= 4096 else 2 if per_token >= 2048 else 4
+    tile = max(bq, bk) * half_pad * 2
+    warps = 1 if tile <= 256 else 2 if tile <= 1024 else 4 if tile <= 4096 else 8
+    return {
+        "head_dim": d, "rotary_dim": r, "half": half, "half_pad": half_pad, "half_mask": half_pad != half,
+        "pass_dim": pass_dim, "pass_pad": pass_pad, "pass_mask": pass_pad != pass_dim,
+        "n_q_heads": nq, "n_kv_heads": nk,
+        "q_block_heads": bq, "q_loop": q_loop, "q_head_mask": q_mask,
+        "k_block_heads": bk, "k_loop": k_loop, "k_head_mask": k_mask,
+        "tokens_per_program": int(tpp), "num_warps": warps,
+    }
+
+
+def attention_reason(f: Mapping[str, Any]) -> str | None:
+    if not f:
+        return "not an attention module with rotary embeddings (needs q/k/v/o projections, head_dim and heads)"
+    r, d = int(f.get("rotary_dim", 0)), int(f["head_dim"])
+    if r <= 0 or r > d or r % 2:
+        return f"rotary_dim {r} must be even and in 1..head_dim ({d})"
+    if int(f["n_heads"]) % max(1, int(f["n_kv_heads"])):
+        return f"{f['n_heads']} query heads are not a multiple of {f['n_kv_heads']} key/value heads"
+    return None
+
+
+ROPE_FLAGS = (
+    FlagSpec("block", "int", "auto",
+             "tile size in elements (heads x rotary_dim/2, power of two); all heads of a token in one tile "
+             "when they fit, else heads are looped; auto = 4096 on cuda, 1024 on the interpreter",
+             auto_ok=True, min=16),
+    FlagSpec("tokens_per_program", "int", "auto",
+             "tokens each program rotates (more for short heads); auto = by (q heads + k heads) x head_dim",
+             auto_ok=True, min=1, max=64),
+)
+
+
+class FusedRope(Op):
+    name = "fused_rope"
+    kinds = ("Attention",)
+    template = "fused_rope.py.j2"
+    doc = ("RoPE (HF rotate_half, partial rotary) of q and k in one launch, forward and backward; "
+           "replaces the attention forward, keeping projections, q/k norms, KV cache and attention interface.")
+    flags = ROPE_FLAGS
+
+    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+        g = rope_geometry(info.facts("Attention"), flags, target)
+        tag = f"d{g['head_dim']}_r{g['rotary_dim']}_q{g['n_q_heads']}k{g['n_kv_heads']}"
+        return {"dtype": dtype, **g, "target": target, "tag": tag}
+
+    def kernel_name(self, params: Mapping[str, Any]) -> str:
+        return f"{self.name}_{params['dtype']}_{params['tag']}_{params['target']}"
+
+    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+        from .attention_forward import analyse, probe, reference_rope
+
+        f = info.facts("Attention")
+        reason = attention_reason(f)
+        if reason:
+            return reason
+        an = analyse(type(module))
+        if isinstance(an, str):
+            return an
+        if an.qk_norm and "qk_norm" not in f:
+            return "its q_norm/k_norm are not RMSNorms over head_dim, so they cannot run on per-head q/k"
+
+        def qk_ref(self, q, k, cos, sin):
+            if an.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return reference_rope(q, k, cos, sin)
+
+        return probe(module, dict(f), an, qk_ref, "rope")
+
+    def make_forward(self, module, kernels, flags, info):
+        from .attention_forward import analyse, build_forward, reference_rope
+
+        an = analyse(type(module))
+        if isinstance(an, str):
+            raise ValueError(f"fused_rope cannot patch {type(module).__name__}: {an}")
+        norm = an.qk_norm
+
+        def qk(self, q, k, cos, sin):
+            if norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if cos.requires_grad or sin.requires_grad or str(q.dtype) not in SUPPORTED_DTYPES or q.dtype != k.dtype:
+                return reference_rope(q, k, cos, sin)  # learned cos/sin or an unsupported dtype: plain torch
+            return kernels(q.dtype).rope(q, k, cos, sin)
+
+        return build_forward(an, qk)
+
+
+register(FusedRope())
