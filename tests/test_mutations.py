@@ -1,0 +1,293 @@
+"""Mutation tests of ``patchdsl verify`` (issue 5's "Done when").
+
+For every op, deliberately broken variants of its generated kernel (eps ignored, a masked tail
+left unwritten, the weight gradient halved, a wrong sign in a backward formula, ...) must make
+verify fail and name a site of that op -- and only sites of that op -- while the unbroken
+kernels pass on the same model and spec.
+
+How a kernel is broken without touching shipped code: the test replaces
+``patchdsl.runtime.patch.load_kernel`` (the loader the runtime's per-site kernel getter calls)
+with one that renders the op's template as usual, applies the mutation to the rendered source
+(each edit is a regular expression that must match EXACTLY ONCE in its scope, so the test fails
+loudly instead of silently testing an unmutated kernel when a template changes), writes it to a
+temporary file and imports it from there.  Kernels of other ops load normally.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import patchdsl
+import patchdsl.runtime.patch as runtime_patch
+from patchdsl.codegen import render
+from patchdsl.ops.registry import get_op
+from tests.kernels.helpers import DEVICE
+
+_counter = itertools.count()
+
+
+# ---------------------------------------------------------------- tiny models
+def tiny_qwen3():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "qwen3", hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=160, max_position_embeddings=64,
+        tie_word_embeddings=False, attention_dropout=0.0)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def tiny_gemma3():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "gemma3_text", hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=160, max_position_embeddings=64,
+        sliding_window=16, attention_dropout=0.0)
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():      # Gemma initialises norm weights to 0 (scale 1 + w): make w matter
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def tiny_phi():
+    """Phi-2 architecture: LayerNorm with bias (the LayerNorm family's representative)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "phi", hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=160, max_position_embeddings=64, partial_rotary_factor=0.5,
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():      # LayerNorm initialises w = 1, b = 0: make both matter
+        for n, p in model.named_parameters():
+            if "layernorm" in n:
+                p.normal_(0.5 if n.endswith("weight") else 0.0, 0.3)
+    return model
+
+
+MODELS = {"qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "phi": tiny_phi}
+
+SPECS = {
+    "fused_rmsnorm": "*.input_layernorm, *.post_attention_layernorm, model.norm: RMSNorm -> fused_rmsnorm\n",
+    "fused_swiglu": "*.mlp: SwiGLU -> fused_swiglu\n",
+    "fused_geglu": "*.mlp: GeGLU -> fused_geglu\n",
+    "fused_add_rmsnorm": "model.layers.*: DecoderLayer -> fused_add_rmsnorm\n",
+    "fused_layernorm": "*.input_layernorm, model.final_layernorm: LayerNorm -> fused_layernorm\n",
+}
+
+
+# ---------------------------------------------------------------- the mutation machinery
+@dataclass(frozen=True)
+class Edit:
+    pattern: str            # a regular expression (re.MULTILINE) that must match exactly once in scope
+    replacement: str
+    scope: str | None = None  # regex of the definition line the edit is confined to (up to the next one)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    op: str
+    name: str
+    edits: tuple[Edit, ...]
+    model: str = "qwen3"
+    dtype: str = "bf16"
+    expect: tuple[str, ...] = ()    # quantities that must be among the failing site checks
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.name}-{self.model}-{self.dtype}"
+
+
+_TOP = re.compile(r"^(?=@|def |class |[A-Za-z_][A-Za-z_0-9]* = )", re.M)
+
+
+def _scope(src: str, scope: str | None) -> tuple[int, int]:
+    if scope is None:
+        return 0, len(src)
+    starts = [m.start() for m in re.finditer(scope, src, re.M)]
+    assert len(starts) == 1, f"scope {scope!r} found {len(starts)} times"
+    start = starts[0]
+    nxt = _TOP.search(src, start + 1)
+    return start, (nxt.start() if nxt else len(src))
+
+
+def apply_edits(src: str, edits: tuple[Edit, ...]) -> str:
+    for e in edits:
+        a, b = _scope(src, e.scope)
+        region = src[a:b]
+        new, n = re.subn(e.pattern, e.replacement, region, flags=re.M)
+        assert n == 1, (f"mutation pattern {e.pattern!r} matched {n} times (want exactly 1) in "
+                        f"{e.scope or 'the kernel module'}; the template changed: update the mutation")
+        src = src[:a] + new + src[b:]
+    return src
+
+
+@pytest.fixture
+def mutate(monkeypatch, tmp_path):
+    """``mutate(mutation)`` -> list that collects the names of the kernels it broke."""
+
+    def activate(mutation: Mutation) -> list[str]:
+        orig = runtime_patch.load_kernel
+        broken: list[str] = []
+
+        def load(key):
+            if key.op != mutation.op:
+                return orig(key)
+            text = apply_edits(render(key), mutation.edits)
+            path = Path(tmp_path) / f"{key.name}__{mutation.name}.py"
+            path.write_text(text)
+            modname = f"patchdsl_mutants.{path.stem}_{next(_counter)}"
+            spec = importlib.util.spec_from_file_location(modname, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[modname] = mod
+            spec.loader.exec_module(mod)
+            broken.append(key.name)
+            return mod
+
+        monkeypatch.setattr(runtime_patch, "load_kernel", load)
+        return broken
+
+    return activate
+
+
+# ---------------------------------------------------------------- the mutations
+RMS_FWD = r"^def rmsnorm_fwd_"
+RMS_BWD = r"^def rmsnorm_bwd_"
+ADD_FWD = r"^def add_rmsnorm_fwd_"
+ADD_BWD = r"^def add_rmsnorm_bwd_"
+LN_FWD = r"^def layernorm_fwd_"
+LN_BWD = r"^def layernorm_bwd_"
+GLU_FWD = r"^def \w+_mul_\w+_fwd\("
+GLU_BWD = r"^def \w+_mul_\w+_bwd\("
+
+ALL_MUTATIONS = [
+    # ---- fused_rmsnorm (hidden 48: one block of 64, masked tail)
+    Mutation("fused_rmsnorm", "eps_ignored", (Edit(r"^EPS = .*$", "EPS = 0.0"),), dtype="fp32",
+             expect=("output",)),
+    Mutation("fused_rmsnorm", "tail_unwritten",
+             (Edit(r"^(\s*)m = cols < HIDDEN$", r"\1m = cols < HIDDEN - 1", RMS_FWD),
+              Edit(r"y = torch\.empty\(", "y = torch.zeros(", r"^def rmsnorm_forward\(")),
+             expect=("output",)),
+    Mutation("fused_rmsnorm", "dw_halved",
+             (Edit(r"^(\s*)return (dx\.view\(x\.shape\)), dw$", r"\1return \2, dw * 0.5", r"^def rmsnorm_backward\("),),
+             expect=("grad_weight",)),
+    Mutation("fused_rmsnorm", "dx_sign",
+             (Edit(r"\(g - xhat \*", "(g + xhat *", RMS_BWD),), expect=("grad_input",)),
+    Mutation("fused_rmsnorm", "offset_dropped",
+             (Edit(r"\(w \+ 1\.0\)\[None, :\]", "w[None, :]", RMS_FWD),),
+             model="gemma3", expect=("output",)),
+    # ---- fused_add_rmsnorm (on the decoder layer; covers post_attention_layernorm)
+    Mutation("fused_add_rmsnorm", "residual_not_added",
+             (Edit(r"s = \(x \+ r\)\.to\(", "s = (x).to(", ADD_FWD),), expect=("output",)),
+    Mutation("fused_add_rmsnorm", "residual_grad_dropped",
+             (Edit(r"\) \+ ds$", ")", ADD_BWD),), expect=("grad_input",)),
+    Mutation("fused_add_rmsnorm", "dw_halved",
+             (Edit(r"^(\s*)return (dx\.view\(s\.shape\)), dw$", r"\1return \2, dw * 0.5",
+                   r"^def add_rmsnorm_backward\("),), dtype="fp32",
+             expect=("grad_post_attention_layernorm.weight",)),
+    # ---- fused_layernorm (Phi-2: with bias; hidden 48 in a block of 64)
+    Mutation("fused_layernorm", "padding_in_variance",
+             (Edit(r"xc = tl\.where\(m\[None, :\], x - mean\[:, None\], 0\.0\)", "xc = x - mean[:, None]", LN_FWD),),
+             model="phi", dtype="fp32", expect=("output",)),
+    Mutation("fused_layernorm", "dx_mean_term_dropped",
+             (Edit(r" - c2\[:, None\]\)", ")", LN_BWD),), model="phi", expect=("grad_input",)),
+    Mutation("fused_layernorm", "dbias_dropped",
+             (Edit(r"db \+= tl\.where\(valid\[:, None\], dy, 0\.0\)", "db += tl.where(valid[:, None], dy * 0.0, 0.0)",
+                   LN_BWD),), model="phi", expect=("grad_bias",)),
+    # ---- fused_swiglu (intermediate 80: one block of 128, masked tail)
+    Mutation("fused_swiglu", "dgate_sign",
+             (Edit(r"s \* \(1\.0 \+ g \* \(1\.0 - s\)\)", "s * (1.0 - g * (1.0 - s))",
+                   r"^def _act_and_grad\("),), expect=("grad_input", "grad_gate_proj.weight")),
+    Mutation("fused_swiglu", "dup_without_activation",
+             (Edit(r"\(dy \* a\)", "(dy * g)", GLU_BWD),), expect=("grad_up_proj.weight",)),
+    Mutation("fused_swiglu", "tail_unwritten",
+             (Edit(r"\(cols\[None, :\] < I\)", "(cols[None, :] < I - 1)", GLU_FWD),
+              Edit(r"out = torch\.empty\(", "out = torch.zeros(", r"^def swiglu_forward\(")),
+             dtype="fp32", expect=("output",)),
+    # ---- fused_geglu (Gemma 3: tanh GELU)
+    Mutation("fused_geglu", "dup_without_activation",
+             (Edit(r"\(dy \* a\)", "(dy * g)", GLU_BWD),), model="gemma3", expect=("grad_up_proj.weight",)),
+    Mutation("fused_geglu", "up_ignored",
+             (Edit(r"\(_act\(g\) \* u\)", "_act(g)", GLU_FWD),), model="gemma3", dtype="fp32",
+             expect=("output",)),
+]
+
+
+def _template_of(op: str) -> str | None:
+    o = get_op(op)
+    if o is None:
+        return None
+    from patchdsl.resources import templates_dir
+
+    return o.template if (templates_dir() / o.template).is_file() else None
+
+
+MUTATIONS = [m for m in ALL_MUTATIONS if _template_of(m.op)]
+BASELINES = sorted({(m.op, m.model, m.dtype) for m in MUTATIONS})
+
+
+def _verify(op: str, model: str, dtype: str):
+    return patchdsl.verify(SPECS[op], MODELS[model], dtype=dtype, batch=2, seq=8, seed=3, device=DEVICE)
+
+
+def _site_ops(report) -> dict[str, str]:
+    return {s["path"]: s["op"] for s in report.sites}
+
+
+@pytest.mark.parametrize("op,model,dtype", BASELINES, ids=["-".join(b) for b in BASELINES])
+def test_unbroken_kernels_pass(op, model, dtype):
+    report = _verify(op, model, dtype)
+    assert report.sites and all(s["op"] == op for s in report.sites)
+    assert report.passed, [(r.path, r.quantity, r.rel_fro_err, r.tolerance) for r in report.failures()]
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.id for m in MUTATIONS])
+def test_broken_kernel_fails_and_names_the_site(mutation, mutate):
+    broken = mutate(mutation)
+    report = _verify(mutation.op, mutation.model, mutation.dtype)
+    assert broken, "the mutated kernel was never loaded"
+    assert not report.passed and report.exit_code() == 1
+    failed = report.failed_sites()
+    assert failed, f"{mutation.id}: verify failed only end to end, naming no site"
+    ops = _site_ops(report)
+    assert {ops[p] for p in failed} == {mutation.op}
+    for p in failed:
+        assert f"{p or '<model>'} ({mutation.op})" in report.verdict or "..." in report.verdict
+    bad_q = {r.quantity for r in report.failures() if r.kind == "site"}
+    missing = set(mutation.expect) - bad_q
+    assert not missing, f"{mutation.id}: expected {sorted(missing)} to fail too; failed: {sorted(bad_q)}"
+
+
+def test_every_registered_op_has_a_mutation():
+    """An op whose template exists must have at least one mutation here."""
+    from patchdsl.ops.registry import ops
+
+    have = {m.op for m in MUTATIONS}
+    missing = [name for name in ops() if _template_of(name) and name not in have]
+    assert not missing, f"no mutation test for {missing}"
+
+
+def test_a_pattern_that_does_not_match_is_an_error():
+    with pytest.raises(AssertionError, match="matched 0 times"):
+        apply_edits("x = 1\n", (Edit(r"^y = 1$", "y = 2"),))
+    with pytest.raises(AssertionError, match="matched 2 times"):
+        apply_edits("x = 1\nx = 1\n", (Edit(r"^x = 1$", "x = 2"),))
+    src = "def f():\n    a = 1\n\n\ndef g():\n    a = 1\n"
+    assert apply_edits(src, (Edit(r"a = 1", "a = 2", r"^def g\("),)) == src[:-2] + "2\n"
