@@ -74,12 +74,13 @@ def _read_spec(path: str):
     return parse_spec(text, str(path), base_dir=p.parent)
 
 
-def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str = "cpu", log=None, tiny=False):
+def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str = "cpu", log=None, tiny=False,
+                seed: int = 0):
     from .models import ModelLoadError, load_model
 
     try:
         return load_model(model, meta=meta, dtype=dtype, device=device, log=log or (lambda m: click.echo(m, err=True)),
-                          tiny=tiny)
+                          tiny=tiny, seed=seed)
     except ModelLoadError as e:
         raise UsageFailure(str(e)) from None
 
@@ -214,7 +215,7 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
     w = Workload(steps or d.steps, batch or d.batch, seq or d.seq, lr, seed, d.warmup)
     sp = _read_spec(spec)
     torch.manual_seed(seed)
-    loaded = _load_model(model, meta=False, dtype=dtype, device=device, tiny=tiny)
+    loaded = _load_model(model, meta=False, dtype=dtype, device=device, tiny=tiny, seed=seed)
     if tiny:
         console.print(f"[dim]CPU workload: tiny {loaded.model.config.model_type} architecture "
                       f"(hidden {loaded.model.config.hidden_size}, {loaded.model.config.num_hidden_layers} layers); "
@@ -296,7 +297,7 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json) -
         import torch
 
         torch.manual_seed(seed)
-        return _load_model(model, meta=False, dtype="fp32", device="cpu", tiny=tiny,
+        return _load_model(model, meta=False, dtype="fp32", device="cpu", tiny=tiny, seed=seed,
                            log=lambda m: None).model
 
     _load_model(model, meta=True, tiny=tiny)   # validate the model id early (exit 2) and say where it came from
