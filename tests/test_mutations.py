@@ -90,6 +90,7 @@ SPECS = {
     "fused_geglu": "*.mlp: GeGLU -> fused_geglu\n",
     "fused_add_rmsnorm": "model.layers.*: DecoderLayer -> fused_add_rmsnorm\n",
     "fused_layernorm": "*.input_layernorm, model.final_layernorm: LayerNorm -> fused_layernorm\n",
+    "fused_rope": "*.self_attn: Attention -> fused_rope\n",
 }
 
 
@@ -99,6 +100,8 @@ class Edit:
     pattern: str            # a regular expression (re.MULTILINE) that must match exactly once in scope
     replacement: str
     scope: str | None = None  # regex of the definition line the edit is confined to (up to the next one)
+    count: int = 1            # how many times the pattern must match in scope ...
+    nth: int = 0              # ... and which match (0-based) is replaced
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,13 @@ def apply_edits(src: str, edits: tuple[Edit, ...]) -> str:
     for e in edits:
         a, b = _scope(src, e.scope)
         region = src[a:b]
-        new, n = re.subn(e.pattern, e.replacement, region, flags=re.M)
-        assert n == 1, (f"mutation pattern {e.pattern!r} matched {n} times (want exactly 1) in "
-                        f"{e.scope or 'the kernel module'}; the template changed: update the mutation")
-        src = src[:a] + new + src[b:]
+        hits = list(re.finditer(e.pattern, region, flags=re.M))
+        assert len(hits) == e.count, (
+            f"mutation pattern {e.pattern!r} matched {len(hits)} times (want exactly {e.count}) in "
+            f"{e.scope or 'the kernel module'}; the template changed: update the mutation")
+        h = hits[e.nth]
+        region = region[:h.start()] + h.expand(e.replacement) + region[h.end():]
+        src = src[:a] + region + src[b:]
     return src
 
 
@@ -174,6 +180,8 @@ ADD_FWD = r"^def add_rmsnorm_fwd_"
 ADD_BWD = r"^def add_rmsnorm_bwd_"
 LN_FWD = r"^def layernorm_fwd_"
 LN_BWD = r"^def layernorm_bwd_"
+ROPE_FWD = r"^def rope_fwd_"
+ROPE_BWD = r"^def rope_bwd_"
 GLU_FWD = r"^def \w+_mul_\w+_fwd\("
 GLU_BWD = r"^def \w+_mul_\w+_bwd\("
 
@@ -211,6 +219,16 @@ ALL_MUTATIONS = [
     Mutation("fused_layernorm", "dbias_dropped",
              (Edit(r"db \+= tl\.where\(valid\[:, None\], dy, 0\.0\)", "db += tl.where(valid[:, None], dy * 0.0, 0.0)",
                    LN_BWD),), model="phi", expect=("grad_bias",)),
+    # ---- fused_rope (Qwen3 attention: 4 q heads, 2 kv heads, head_dim 16)
+    Mutation("fused_rope", "q_forward_sign",
+             (Edit(r"y1 = x1 \* c1 - x2 \* s1", "y1 = x1 * c1 + x2 * s1", ROPE_FWD, count=2, nth=0),),
+             expect=("output", "grad_q_proj.weight")),
+    Mutation("fused_rope", "k_backward_sign",
+             (Edit(r"y2 = x2 \* c2 - x1 \* s1", "y2 = x2 * c2 + x1 * s1", ROPE_BWD, count=2, nth=1),),
+             expect=("grad_input", "grad_k_proj.weight")),
+    Mutation("fused_rope", "position_ignored",
+             (Edit(r"\(tok - b \* seq_len\) \* stride_cs", "0 * stride_cs", ROPE_FWD),), dtype="fp32",
+             expect=("grad_q_proj.weight",)),
     # ---- fused_swiglu (intermediate 80: one block of 128, masked tail)
     Mutation("fused_swiglu", "dgate_sign",
              (Edit(r"s \* \(1\.0 \+ g \* \(1\.0 - s\)\)", "s * (1.0 - g * (1.0 - s))",
@@ -289,5 +307,6 @@ def test_a_pattern_that_does_not_match_is_an_error():
         apply_edits("x = 1\n", (Edit(r"^y = 1$", "y = 2"),))
     with pytest.raises(AssertionError, match="matched 2 times"):
         apply_edits("x = 1\nx = 1\n", (Edit(r"^x = 1$", "x = 2"),))
+    assert apply_edits("x = 1\nx = 1\n", (Edit(r"^x = (1)$", r"x = \g<1>2", count=2, nth=1),)) == "x = 1\nx = 12\n"
     src = "def f():\n    a = 1\n\n\ndef g():\n    a = 1\n"
     assert apply_edits(src, (Edit(r"a = 1", "a = 2", r"^def g\("),)) == src[:-2] + "2\n"
