@@ -1,0 +1,110 @@
+"""fused_qk_norm_rope: per-head q_norm/k_norm (RMSNorm over head_dim) + RoPE in one kernel.
+
+Qwen3 (Llama casting) and Gemma3 (offset 1, Gemma casting) normalise each head of q and k with
+their own RMSNorm before the rotation.  This op fuses both norms and the rotation of q and k into
+one launch forward and one backward (which also produces q_norm.weight / k_norm.weight grads as
+device-side partial sums).  Like fused_rope it replaces the attention module's forward
+(:mod:`patchdsl.ops.attention_forward`); it covers the q_norm and k_norm children, whose weights
+it reads at call time (``unwrap(self.q_norm).weight``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .base import FlagSpec, ModuleInfo, Op
+from .registry import register
+from .rope import ROPE_FLAGS, SUPPORTED_DTYPES, attention_reason, rope_geometry
+
+
+def _norm_facts(f: Mapping[str, Any], flags: Mapping[str, Any]) -> tuple[float, float, str]:
+    n = f.get("qk_norm") or {}
+    eps = flags.get("eps", "auto")
+    offset = flags.get("offset", "auto")
+    casting = flags.get("casting", "auto")
+    eps = float(n.get("eps", 1e-6) if eps == "auto" else eps)
+    offset = float(n.get("offset", 0.0) if offset == "auto" else offset)
+    casting = n.get("casting", "llama") if casting == "auto" else casting
+    return eps, offset, ("llama" if casting == "unknown" else casting)
+
+
+class FusedQKNormRope(Op):
+    name = "fused_qk_norm_rope"
+    kinds = ("Attention",)
+    template = "fused_qk_norm_rope.py.j2"
+    covers = ("q_norm", "k_norm")
+    doc = ("Per-head q_norm/k_norm RMSNorm (Qwen3, Gemma3) + RoPE of q and k in one kernel, forward and "
+           "backward with norm-weight grads reduced on the device; replaces the attention forward.")
+    flags = (
+        FlagSpec("eps", "float", "auto", "epsilon of q_norm/k_norm; auto = the modules' own", auto_ok=True, min=0.0),
+        FlagSpec("offset", "float", "auto", "norm scale is (offset + w); auto = probed (0 Qwen3, 1 Gemma3)",
+                 auto_ok=True),
+        FlagSpec("casting", "choice", "auto",
+                 "llama: cast then scale; gemma: scale in fp32 then cast; auto = probed from q_norm",
+                 choices=("llama", "gemma"), auto_ok=True),
+    ) + ROPE_FLAGS
+
+    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+        f = info.facts("Attention")
+        g = rope_geometry(f, flags, target)
+        eps, offset, casting = _norm_facts(f, flags)
+        tag = f"d{g['head_dim']}_r{g['rotary_dim']}_q{g['n_q_heads']}k{g['n_kv_heads']}_{casting}"
+        return {"dtype": dtype, **g, "eps": eps, "offset": offset, "casting": casting,
+                "bwd_programs_per_sm": 4, "target": target, "tag": tag}
+
+    def kernel_name(self, params: Mapping[str, Any]) -> str:
+        return f"{self.name}_{params['dtype']}_{params['tag']}_{params['target']}"
+
+    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+        from .attention_forward import analyse, probe, reference_rmsnorm, reference_rope
+        from .kinds import rmsnorm, unwrap
+
+        f = info.facts("Attention")
+        reason = attention_reason(f)
+        if reason:
+            return reason
+        if "qk_norm" not in f:
+            return "no q_norm/k_norm RMSNorms over head_dim to fuse (use fused_rope)"
+        an = analyse(type(module))
+        if isinstance(an, str):
+            return an
+        if not an.qk_norm:
+            return f"{type(module).__name__}.forward does not call self.q_norm/self.k_norm"
+        fq, fk = rmsnorm(unwrap(module.q_norm)), rmsnorm(unwrap(module.k_norm))
+        if not fq or not fk:
+            return "q_norm/k_norm are not RMSNorms"
+        if (fq["eps"], fq["offset"], fq["casting"]) != (fk["eps"], fk["offset"], fk["casting"]) \
+                and all(flags.get(n, "auto") == "auto" for n in ("eps", "offset", "casting")):
+            return "q_norm and k_norm differ in eps, offset or casting; set the flags explicitly"
+        if f["qk_norm"]["casting"] == "unknown" and flags.get("casting", "auto") == "auto":
+            return "q_norm's forward matches neither the Llama nor the Gemma cast order; set casting= explicitly"
+        eps, offset, casting = _norm_facts(f, flags)
+
+        def qk_ref(self, q, k, cos, sin):
+            q = reference_rmsnorm(q, unwrap(self.q_norm).weight, eps, offset, casting)
+            k = reference_rmsnorm(k, unwrap(self.k_norm).weight, eps, offset, casting)
+            return reference_rope(q, k, cos, sin)
+
+        return probe(module, dict(f), an, qk_ref, f"qk_norm_rope {eps} {offset} {casting}")
+
+    def make_forward(self, module, kernels, flags, info):
+        from .attention_forward import analyse, build_forward, reference_rmsnorm, reference_rope
+        from .kinds import unwrap
+
+        an = analyse(type(module))
+        if isinstance(an, str):
+            raise ValueError(f"fused_qk_norm_rope cannot patch {type(module).__name__}: {an}")
+        eps, offset, casting = _norm_facts(info.facts("Attention"), flags)
+
+        def qk(self, q, k, cos, sin):
+            wq, wk = unwrap(self.q_norm).weight, unwrap(self.k_norm).weight
+            if cos.requires_grad or sin.requires_grad or str(q.dtype) not in SUPPORTED_DTYPES or q.dtype != k.dtype:
+                # learned cos/sin or an unsupported dtype: the same arithmetic in plain torch
+                return reference_rope(reference_rmsnorm(q, wq, eps, offset, casting),
+                                      reference_rmsnorm(k, wk, eps, offset, casting), cos, sin)
+            return kernels(q.dtype).qk_norm_rope(q, k, wq, wk, cos, sin)
+
+        return build_forward(an, qk)
+
+
+register(FusedQKNormRope())
