@@ -11,8 +11,8 @@ patched error is judged against the error the unpatched model itself makes in th
 FACTOR = 4: a fused kernel rounds in different places than eager PyTorch (one rounding of the
 fused result instead of one per intermediate, fp32 accumulation in another order), so its error
 is of the same size as HF's, not bit-identical; across the tiny models and dtypes we measured,
-a correct kernel stays within ~1.5x of HF's error, while a real bug (a dropped term, a wrong
-sign, a halved gradient, an unwritten tail) is off by 10x to 10^6x.  The floor covers
+a correct kernel stays within 2.7x of HF's error (at most 56% of the bound), while a real bug
+(a dropped term, a wrong sign, a halved gradient, an unwritten tail) is off by 10x to 10^6x.  The floor covers
 quantities that HF happens to compute (almost) exactly, where FACTOR * err_hf is ~0:
 
     fp32: 1e-5   (~170 units of roundoff: fp32 accumulation order over long reductions)
