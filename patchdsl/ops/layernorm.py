@@ -1,0 +1,65 @@
+"""fused_layernorm: LayerNorm (with or without bias), output in the input dtype, computed in fp32."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .base import FlagSpec, ModuleInfo, Op
+from .registry import register
+from .rmsnorm import next_pow2, resolve_auto, row_block, row_warps, rows_per_tile
+
+
+class FusedLayerNorm(Op):
+    name = "fused_layernorm"
+    kinds = ("LayerNorm",)
+    template = "fused_layernorm.py.j2"
+    doc = "LayerNorm forward and backward in one kernel each (dx, dW, dB); dW/dB reduced on the device."
+    flags = (
+        FlagSpec("eps", "float", "auto", "epsilon added to the variance; auto = the module's own", auto_ok=True, min=0.0),
+        FlagSpec("block", "int", "auto", "block size in elements (power of two); auto = by hidden size",
+                 auto_ok=True, min=16),
+    )
+
+    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+        f = info.facts("LayerNorm")
+        hidden = int(f["hidden"])
+        eps = float(resolve_auto(flags, "eps", f["eps"]))
+        block, single = row_block(hidden, target)
+        if flags.get("block", "auto") != "auto":
+            block = next_pow2(int(flags["block"]))
+            single = block >= hidden
+        return {
+            "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "bias": bool(f["bias"]),
+            "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
+            "ROWS": rows_per_tile(block, single, target), "num_warps": row_warps(block),
+            "bwd_programs_per_sm": 4, "target": target, "tag": f"h{hidden}",
+        }
+
+    def kernel_name(self, params: Mapping[str, Any]) -> str:
+        b = "bias" if params["bias"] else "nobias"
+        return f"{self.name}_{params['dtype']}_h{params['hidden']}_{b}_{params['target']}"
+
+    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+        f = info.facts("LayerNorm")
+        if not f:
+            return ("not a LayerNorm (needs a 1-D weight, an eps attribute and a forward equal to "
+                    "F.layer_norm over the last dimension)")
+        w = getattr(module, "weight", None)
+        if w is None or tuple(w.shape) != (int(f["hidden"]),):
+            return "its weight is not of shape (hidden,)"
+        b = getattr(module, "bias", None)
+        if (b is not None) != bool(f["bias"]):
+            return "its bias changed since the model was indexed"
+        return None
+
+    def make_forward(self, module, kernels, flags, info):
+        if info.facts("LayerNorm").get("bias"):
+            def forward(self, hidden_states, *args, **kwargs):
+                return kernels(hidden_states.dtype).layernorm(hidden_states, self.weight, self.bias)
+        else:
+            def forward(self, hidden_states, *args, **kwargs):
+                return kernels(hidden_states.dtype).layernorm(hidden_states, self.weight)
+        return forward
+
+
+register(FusedLayerNorm())
