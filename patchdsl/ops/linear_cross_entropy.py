@@ -1,0 +1,104 @@
+"""fused_linear_cross_entropy: LM head + causal-LM loss without materialising the logits.
+
+Selected on ``lm_head`` (kind Linear); replaces the forward of the causal LM that owns it
+(see :mod:`patchdsl.ops.loss_path`).  Tokens are processed in chunks: a matmul gives the chunk's
+logits, a Triton kernel turns them into d(loss)/d(logits) in place, two more matmuls give the
+chunk's grad_hidden and add its share of grad_weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .base import FlagSpec, ModuleInfo, Op
+from .cross_entropy import LOSS_FLAGS, loss_kernel_name, loss_params
+from .registry import register
+
+CHUNK_BUDGET = 64 * 2**20     # bytes of chunk logits on the GPU (auto chunk)
+INTERP_CHUNK = 16             # tokens per chunk on the interpreter (small, so tests see several chunks)
+ELT = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def auto_chunk(vocab: int, dtype: str, target: str) -> int:
+    if target == "interpreter":
+        return INTERP_CHUNK
+    rows = CHUNK_BUDGET // (vocab * ELT.get(dtype, 4))
+    return int(max(16, min(8192, rows // 16 * 16)))
+
+
+class FusedLinearCrossEntropy(Op):
+    name = "fused_linear_cross_entropy"
+    kinds = ("Linear",)
+    template = "fused_linear_cross_entropy.py.j2"
+    doc = ("lm_head matmul + cross entropy in token chunks, never materialising the (tokens, vocab) logits; "
+           "gradients computed in the forward and scaled by grad_output in the backward without a host sync.")
+    flags = LOSS_FLAGS[:3] + (
+        FlagSpec("softcap", "float", "auto",
+                 "final-logit softcapping cap*tanh(logits/cap); auto = the config's final_logit_softcapping "
+                 "(Gemma); must match what the model's forward does", auto_ok=True, none_ok=True, min=0.0),
+    ) + LOSS_FLAGS[3:] + (
+        FlagSpec("chunk", "int", "auto", "tokens per chunk; auto = as many as keep the chunk's logits "
+                 "<= 64 MB on the GPU", auto_ok=True, min=1),
+        FlagSpec("accumulate", "choice", "auto",
+                 "grad_weight accumulation across chunks: fp32 (an fp32 copy of grad_weight) or weight "
+                 "(the weight's dtype, in place); auto = fp32 when that copy is <= 64 MB",
+                 choices=("fp32", "weight"), auto_ok=True),
+    )
+
+    def host(self, info: ModuleInfo, index: Any) -> str:
+        from .loss_path import causal_lm_host
+        return causal_lm_host(info, index)
+
+    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+        from .loss_path import hidden_of, resolve_scaling, resolve_softcap, vocab_of
+        facts = info.facts("CausalLM")
+        vocab, hidden = vocab_of(info), hidden_of(info)
+        bias = bool(facts["bias"]) if facts else bool(info.facts("Linear").get("bias"))
+        p = loss_params(vocab, flags, dtype, target, resolve_softcap(flags, facts), resolve_scaling(facts))
+        chunk = flags.get("chunk", "auto")
+        chunk = auto_chunk(vocab, dtype, target) if chunk == "auto" else int(chunk)
+        acc = flags.get("accumulate", "auto")
+        if acc == "auto":
+            acc = "fp32" if dtype == "fp32" or vocab * hidden * 4 <= CHUNK_BUDGET else "weight"
+        if dtype == "fp32":
+            acc = "weight"      # same thing: the weight is fp32
+        p.update({"hidden": hidden, "w_dtype": dtype, "bias": bias, "chunk": chunk, "accumulate": acc})
+        return p
+
+    def kernel_name(self, params: Mapping[str, Any]) -> str:
+        name = loss_kernel_name(self.name, params)
+        tgt = params.get("target", "cuda")
+        extra = f"c{params['chunk']}" + ("_bias" if params["bias"] else "") + f"_acc{params['accumulate']}"
+        return name[: -len(tgt)] + extra + "_" + tgt
+
+    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+        from .loss_path import host_reason, resolve_softcap
+        f = info.facts("CausalLM")
+        if not f:
+            return "no enclosing causal LM (a module with model, lm_head and config) was found"
+        if hasattr(module, "lm_head") and hasattr(module, "model"):
+            return host_reason(module, info, flags, self.name)
+        import torch
+        if not isinstance(module, torch.nn.Linear):
+            return f"{type(module).__name__} is not a plain nn.Linear (a LoRA delta would be missed)"
+        if module.out_features != f["vocab"] or module.in_features != f["hidden"]:
+            return "this Linear is not the causal LM's lm_head"
+        got, want = resolve_softcap(flags, f), (float(f["softcap"]) if f.get("softcap") else None)
+        if got != want:
+            return (f"softcap={flags.get('softcap')} resolves to {got} but the model applies "
+                    f"{'final_logit_softcapping=' + str(want) if want else 'no softcapping'}")
+        return None
+
+    def make_forward(self, module, kernels, flags, info):
+        from .loss_path import make_forward
+        return make_forward(module, kernels, flags, "linear")
+
+    def install(self, host, kernels, flags, info):
+        from .loss_path import host_reason, install_forward
+        reason = host_reason(host, info, flags, self.name)
+        if reason:
+            raise ValueError(f"refused {self.name} on {type(host).__name__}: {reason}")
+        return install_forward(host, kernels, flags, "linear")
+
+
+register(FusedLinearCrossEntropy())

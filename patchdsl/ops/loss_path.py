@@ -1,0 +1,375 @@
+"""The causal-LM loss path shared by ``fused_linear_cross_entropy`` and ``fused_cross_entropy``.
+
+Both ops are selected on ``lm_head`` but act on the causal LM that owns it (the *host*: the
+nearest ancestor with the ``CausalLM`` kind, the root ``""`` for Hugging Face models).
+
+* ``fused_linear_cross_entropy`` replaces the host's ``forward`` (on the instance) with one that,
+  when training with labels, calls ``self.model(...)`` with every argument the original forward
+  passes, slices the hidden states by ``logits_to_keep`` as the original does, and computes the
+  loss from the hidden states and ``lm_head``'s weight (read at call time) without materialising
+  the logits.  It returns the original output class with ``loss`` set and ``logits=None``.  In
+  eval mode, under ``no_grad``, or without labels it calls the original forward unchanged.
+* ``fused_cross_entropy`` replaces only the loss function: Hugging Face's ``PreTrainedModel``
+  has a ``loss_function`` property whose setter stores ``_loss_function`` on the instance, so the
+  op sets that attribute (per instance, undone by the runtime).  Where a class has no such
+  property, it patches the forward like the loss path above but computes the logits with
+  ``self.lm_head`` (so they are returned) and the loss with the fused kernel.
+
+Semantics follow ``transformers.loss.loss_utils.ForCausalLMLoss``: labels shifted left by one
+with ``ignore_index`` padding at the end (or ``shift_labels`` used as given), fp32 loss math,
+``sum / num_items_in_batch`` when that is given, else the mean over labels that are not ignored.
+Two documented differences: a batch whose labels are all ignored gives loss 0 (HF: NaN), and a
+call with ``shift_labels`` but no ``labels`` gets a loss (HF computes one only when ``labels`` is
+given).
+
+What a host must look like (checked, one-line refusal otherwise): ``self.model``, a plain
+``nn.Linear`` ``lm_head`` (PEFT's ModulesToSaveWrapper is unwrapped; a LoRA-wrapped lm_head is
+refused because its delta lives in its forward), the standard ``ForCausalLMLoss``, and a forward
+whose source calls ``self.lm_head(`` and ``self.loss_function(``, passes its own arguments through
+to ``self.model`` by name, and reads nothing else from ``self`` or ``self.config`` than what the
+fused loss reproduces (vocab_size, final_logit_softcapping, logits_scaling).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import types
+from typing import Any, Callable, Mapping
+
+from .base import ModuleInfo
+from .kinds import linear_like, unwrap
+
+# What the patched forward may see the original forward read from ``self`` / ``self.config``.
+SELF_ATTRS = {"model", "lm_head", "loss_function", "config", "vocab_size", "training"}
+CONFIG_ATTRS = {"vocab_size", "final_logit_softcapping", "logits_scaling", "use_return_dict", "return_dict",
+                "output_attentions", "output_hidden_states", "use_cache"}
+SUPPORTED_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
+
+
+# --------------------------------------------------------------------------- planning time
+def causal_lm_host(info: ModuleInfo, index: Any) -> str:
+    """Path of the nearest module (``info`` itself or an ancestor) with the CausalLM kind."""
+    if "CausalLM" in info.kinds:
+        return info.path
+    if index is not None:
+        for anc in index.ancestors(info.path):
+            if "CausalLM" in anc.kinds:
+                return anc.path
+    return info.path
+
+
+def vocab_of(info: ModuleInfo) -> int:
+    f = info.facts("CausalLM")
+    if f:
+        return int(f["vocab"])
+    return int(info.facts("Linear")["out_features"])
+
+
+def hidden_of(info: ModuleInfo) -> int:
+    f = info.facts("CausalLM")
+    if f:
+        return int(f["hidden"])
+    return int(info.facts("Linear")["in_features"])
+
+
+def resolve_scaling(facts: Mapping[str, Any]) -> float | None:
+    """Granite's logits_scaling (logits / s); None when absent or 1."""
+    v = facts.get("logits_scaling") if facts else None
+    if v is None or float(v) == 1.0:
+        return None
+    return float(v)
+
+
+def resolve_softcap(flags: Mapping[str, Any], facts: Mapping[str, Any]) -> float | None:
+    """softcap flag: auto = the config's final_logit_softcapping, none = off, a number = that."""
+    v = flags.get("softcap", "auto")
+    if v == "auto":
+        v = facts.get("softcap") if facts else None
+    if v is None or v == 0:
+        return None
+    return float(v)
+
+
+# --------------------------------------------------------------------------- the host's forward
+class ForwardShape:
+    """What the host class's forward does, read from its source (no execution)."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.reason: str | None = None
+        self.func = inspect.unwrap(cls.forward)
+        self.sig = inspect.signature(self.func)
+        self.var_kw = next((p.name for p in self.sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        self.output_cls: Any = None
+        self.applies_softcap = False
+        self.applies_scaling = False
+        try:
+            src = textwrap.dedent(inspect.getsource(self.func))
+        except (OSError, TypeError):
+            self.reason = f"the source of {cls.__name__}.forward is not available to check"
+            return
+        self.applies_softcap = "final_logit_softcapping" in src
+        self.applies_scaling = "logits_scaling" in src
+        if "self.lm_head(" not in src or "self.loss_function(" not in src:
+            self.reason = (f"{cls.__name__}.forward does not call self.lm_head( and self.loss_function(; "
+                           "its loss cannot be reproduced")
+            return
+        self.reason = self._analyse(ast.parse(src))
+
+    def _analyse(self, tree: ast.Module) -> str | None:
+        name = self.cls.__name__
+        fn = tree.body[0]
+        params = [p for p in self.sig.parameters if p != "self" and self.sig.parameters[p].kind not in
+                  (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+        if "labels" not in params:
+            return f"{name}.forward has no 'labels' argument"
+        model_calls = []
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                if node.attr not in SELF_ATTRS:
+                    return f"{name}.forward uses self.{node.attr}, which the fused loss does not reproduce"
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
+                    and node.value.attr == "config" and node.attr not in CONFIG_ATTRS):
+                return f"{name}.forward reads config.{node.attr}, which the fused loss does not reproduce"
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                    and node.func.attr == "model"):
+                model_calls.append(node)
+            if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
+                self.output_cls = self.func.__globals__.get(node.value.func.id)
+        if len(model_calls) != 1:
+            return f"{name}.forward calls self.model {len(model_calls)} times (expected once)"
+        call = model_calls[0]
+        if call.args:
+            return f"{name}.forward passes positional arguments to self.model"
+        passed = set()
+        for kw in call.keywords:
+            if kw.arg is None:
+                if not (isinstance(kw.value, ast.Name) and kw.value.id == self.var_kw):
+                    return f"{name}.forward passes **{ast.unparse(kw.value)} to self.model"
+                continue
+            if not (isinstance(kw.value, ast.Name) and kw.value.id == kw.arg):
+                return f"{name}.forward passes {kw.arg}={ast.unparse(kw.value)} to self.model (not its own argument)"
+            passed.add(kw.arg)
+        expected = set(params) - {"labels", "logits_to_keep", "return_dict"}
+        passed.discard("return_dict")
+        if passed != expected:
+            diff = sorted(passed ^ expected)
+            return f"{name}.forward does not pass its arguments through to self.model unchanged ({', '.join(diff)})"
+        if self.output_cls is None:
+            return f"{name}.forward does not return an output object the fused loss can rebuild"
+        try:
+            import dataclasses
+            fields = {f.name for f in dataclasses.fields(self.output_cls)}
+        except TypeError:
+            return f"{name}.forward returns {getattr(self.output_cls, '__name__', self.output_cls)}, not a ModelOutput"
+        if not {"loss", "logits"} <= fields:
+            return f"{name}.forward returns {self.output_cls.__name__} without loss/logits fields"
+        self.output_fields = [f for f in fields if f not in ("loss", "logits")]
+        return None
+
+
+_SHAPES: dict[type, ForwardShape] = {}
+
+
+def forward_shape(cls: type) -> ForwardShape:
+    s = _SHAPES.get(cls)
+    if s is None:
+        s = _SHAPES[cls] = ForwardShape(cls)
+    return s
+
+
+def loss_function_settable(cls: type) -> bool:
+    """True when ``cls.loss_function`` is a property whose setter stores ``_loss_function``."""
+    prop = inspect.getattr_static(cls, "loss_function", None)
+    if not isinstance(prop, property) or prop.fset is None or prop.fget is None:
+        return False
+    try:
+        return "_loss_function" in inspect.getsource(prop.fset) and "_loss_function" in inspect.getsource(prop.fget)
+    except (OSError, TypeError):
+        return False
+
+
+def _standard_loss(host: Any) -> str | None:
+    if "_loss_function" in getattr(host, "__dict__", {}):
+        return "the model has a custom loss_function set on it"
+    try:
+        fn = host.loss_function
+    except Exception as e:  # pragma: no cover - exotic models
+        return f"its loss_function cannot be read ({e})"
+    if getattr(fn, "__name__", "") != "ForCausalLMLoss":
+        return f"its loss_function is {getattr(fn, '__name__', fn)!r}, not ForCausalLMLoss"
+    return None
+
+
+def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) -> str | None:
+    """Why the live causal LM ``host`` cannot take ``op`` (None if it can)."""
+    import torch
+
+    if not hasattr(host, "lm_head") or not hasattr(host, "model") or getattr(host, "config", None) is None:
+        return "not a causal LM (needs self.model, self.lm_head and self.config)"
+    lm = unwrap(host.lm_head)
+    if not isinstance(lm, torch.nn.Linear):
+        if linear_like(lm) is not None:
+            return "lm_head is wrapped by an adapter (e.g. LoRA) whose delta the fused loss would miss"
+        return f"lm_head is a {type(lm).__name__}, not an nn.Linear"
+    if str(lm.weight.dtype) not in SUPPORTED_DTYPES:
+        return f"lm_head weight is {lm.weight.dtype}; the kernels support float32, bfloat16, float16"
+    r = _standard_loss(host)
+    if r:
+        return r
+    if op == "fused_cross_entropy" and loss_function_settable(type(host)):
+        return None          # only the loss function is replaced; the forward stays HF's
+    shape = forward_shape(type(host))
+    if shape.reason:
+        return shape.reason
+    cfg = host.config
+    if op == "fused_linear_cross_entropy":
+        want = getattr(cfg, "final_logit_softcapping", None) if shape.applies_softcap else None
+        got = resolve_softcap(flags, {"softcap": getattr(cfg, "final_logit_softcapping", None)})
+        if (want or None) != got:
+            return (f"softcap={flags.get('softcap')} resolves to {got} but the forward applies "
+                    f"{'final_logit_softcapping=' + str(want) if want else 'no softcapping'}")
+        scaling = getattr(cfg, "logits_scaling", None)
+        if scaling not in (None, 1, 1.0) and not shape.applies_scaling:
+            return "config.logits_scaling is set but the forward does not divide the logits by it"
+    return None
+
+
+# --------------------------------------------------------------------------- runtime helpers
+def shift_labels_of(labels: Any, ignore_index: int) -> Any:
+    """HF's shift: pad one ignore_index on the right, drop the first label."""
+    import torch.nn.functional as F
+
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def slice_hidden(hidden: Any, logits_to_keep: Any) -> Any:
+    """The slicing the HF forward applies before lm_head (int: last k, 0 = all; tensors)."""
+    import torch
+
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden[logits_to_keep]
+        return torch.take_along_dim(hidden, logits_to_keep[..., None], dim=1)
+    if isinstance(logits_to_keep, int):
+        if logits_to_keep == 0:
+            return hidden
+        logits_to_keep = slice(-logits_to_keep, None)
+    return hidden[:, logits_to_keep, :]
+
+
+def _apply_head_post(logits: Any, cfg: Any, shape: ForwardShape) -> Any:
+    """What the original forward does to the logits after lm_head (Granite scaling, Gemma softcap)."""
+    import torch
+
+    if shape.applies_scaling and getattr(cfg, "logits_scaling", None) is not None:
+        logits = logits / cfg.logits_scaling
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if shape.applies_softcap and cap is not None:
+        logits = logits / cap
+        logits = torch.tanh(logits)
+        logits = logits * cap
+    return logits
+
+
+def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str) -> Callable:
+    """The replacement ``forward(self, *args, **kwargs)`` for the causal LM ``host``.
+
+    ``mode="linear"``: fused linear cross entropy from the hidden states (logits=None).
+    ``mode="logits"``: logits from ``self.lm_head`` (returned), loss by the fused cross entropy.
+    """
+    import torch
+
+    shape = forward_shape(type(host))
+    sig = inspect.signature(shape.func)
+    var_kw = shape.var_kw
+    prev = host.__dict__.get("forward")          # an instance-level forward we wrap, if any
+    ignore = int(flags.get("ignore_index", -100))
+    supported = {torch.float32, torch.bfloat16, torch.float16}
+
+    def original(self, *args, **kwargs):
+        if prev is not None:
+            return prev(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            return original(self, *args, **kwargs)
+        try:
+            bound = sig.bind(self, *args, **kwargs)
+        except TypeError:
+            return original(self, *args, **kwargs)          # let the original raise its own error
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        a.pop("self", None)
+        extra = dict(a.pop(var_kw, {}) or {}) if var_kw else {}
+        labels = a.get("labels")
+        shift = extra.get("shift_labels")
+        if labels is None and shift is None:
+            return original(self, *args, **kwargs)
+        if extra.get("ignore_index", ignore) != ignore:
+            return original(self, *args, **kwargs)          # compiled for another ignore_index
+        lm = unwrap(self.lm_head)
+        if lm.weight.dtype not in supported:
+            return original(self, *args, **kwargs)
+        a.pop("labels", None)
+        logits_to_keep = a.pop("logits_to_keep", 0)
+        return_dict = getattr(self.config, "return_dict", True)
+        rd = a.pop("return_dict", None) if "return_dict" in a else extra.pop("return_dict", None)
+        if rd is not None:
+            return_dict = rd
+        outputs = self.model(**a, **extra)
+        hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+        hidden = slice_hidden(hidden, logits_to_keep)
+        if shift is None:
+            shift = shift_labels_of(labels, ignore)
+        shift = shift.to(hidden.device)
+        num_items = extra.get("num_items_in_batch")
+        if mode == "linear":
+            logits = None
+            loss = kernels(lm.weight.dtype).linear_cross_entropy(
+                hidden, lm.weight, lm.bias, shift, num_items)
+        else:
+            logits = _apply_head_post(self.lm_head(hidden), self.config, shape)
+            loss = kernels(logits.dtype).cross_entropy(logits.reshape(-1, logits.shape[-1]), shift.reshape(-1),
+                                                       num_items)
+        rest = {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None))
+                for f in shape.output_fields}
+        out = shape.output_cls(loss=loss, logits=logits, **rest)
+        return out if return_dict else out.to_tuple()
+
+    forward.__doc__ = (f"{type(host).__name__}.forward with the fused {'linear ' if mode == 'linear' else ''}"
+                       "cross-entropy loss when training with labels (patchdsl).")
+    return forward
+
+
+def make_loss_function(kernels: Callable, flags: Mapping[str, Any], original: Callable, vocab: int) -> Callable:
+    """A drop-in for HF's ForCausalLMLoss computing the loss with the fused cross-entropy kernel."""
+    import torch
+
+    ignore = int(flags.get("ignore_index", -100))
+    supported = {torch.float32, torch.bfloat16, torch.float16}
+
+    def fused_causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=None,
+                             shift_labels=None, **kwargs):
+        if ((ignore_index is not None and ignore_index != ignore) or logits.shape[-1] != vocab
+                or logits.dtype not in supported or (vocab_size is not None and vocab_size != vocab)):
+            kw = dict(kwargs)
+            if ignore_index is not None:
+                kw["ignore_index"] = ignore_index
+            return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                            shift_labels=shift_labels, **kw)
+        if shift_labels is None:
+            shift_labels = shift_labels_of(labels, ignore)
+        shift_labels = shift_labels.reshape(-1).to(logits.device)
+        return kernels(logits.dtype).cross_entropy(logits.reshape(-1, vocab), shift_labels, num_items_in_batch)
+
+    return fused_causal_lm_loss
+
+
+def install_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str) -> list:
+    return [(host, "forward", types.MethodType(make_forward(host, kernels, flags, mode), host))]

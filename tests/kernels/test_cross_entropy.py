@@ -1,0 +1,287 @@
+"""fused_cross_entropy: forward and backward against a float64 reference, specialisation, refusals.
+
+The reference is plain torch in float64 on the same (already rounded) logits.  HF's behaviour
+over a batch whose labels are all ignore_index is a NaN loss (0 / 0); the fused kernel returns 0
+and zero gradients instead (documented in the generated module and in loss_path).
+"""
+
+import pytest
+import torch
+
+from patchdsl.codegen import KernelKey, render
+from patchdsl.ops.base import FlagTypeError, ModuleInfo
+from patchdsl.ops.registry import get_op
+
+from .helpers import DEVICE, TORCH_DTYPES, TOL, assert_close, kernel_for, rel_err, sizes
+
+OP = "fused_cross_entropy"
+LOSS_TOL = 2e-6      # the loss is fp32 math on the given logits in every dtype
+
+
+def facts(vocab, softcap=None):
+    return {"vocab": vocab, "hidden": 16, "bias": False, "softcap": softcap, "logits_scaling": None, "tied": False}
+
+
+def kernels(vocab, dtype, **flags):
+    return kernel_for(OP, "CausalLM", facts(vocab), dtype, flags)
+
+
+def reference(x, y, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean",
+              num_items=None):
+    """Float64 loss with HF's reduction rules (sum / num_items when given), torch's smoothing."""
+    x = x.double()
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    lse = torch.logsumexp(x, -1)
+    valid = y != ignore_index
+    tgt = x.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
+    per = (1 - label_smoothing) * (lse - tgt) + label_smoothing * (lse - x.mean(-1)) + z_loss * lse * lse
+    per = torch.where(valid, per, torch.zeros_like(per))
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    if num_items is not None:
+        return per.sum() / (num_items.double() if torch.is_tensor(num_items) else num_items)
+    return per.sum() / valid.sum().clamp_min(1)
+
+
+def inputs(rows, vocab, dtype, seed, ignore_rows=(), scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, vocab, generator=g) * scale).to(TORCH_DTYPES[dtype]).to(DEVICE)
+    y = torch.randint(0, vocab, (rows,), generator=g)
+    for r in ignore_rows:
+        if r < rows:
+            y[r] = -100
+    return x, y.to(DEVICE), g
+
+
+SHAPES = sizes(
+    cpu=[(6, 1000), (1, 1500), (5, 3000), (4, 1024), (3, 700)],
+    gpu=[(2048, 151936), (4096, 32000), (1, 128256), (1000, 50257), (64, 1024)],
+)
+FLAG_SETS = [
+    {},
+    {"label_smoothing": 0.1},
+    {"softcap": 30.0},
+    {"z_loss": 1e-3},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"label_smoothing": 0.05, "softcap": 20.0, "z_loss": 1e-4, "reduction": "sum"},
+]
+
+
+def _grad_output(ref, g):
+    if ref.dim() == 0:
+        return torch.tensor(1.7, dtype=torch.float64)
+    return torch.randn(ref.shape, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_forward_backward_default(rows, vocab, dtype):
+    x, y, g = inputs(rows, vocab, dtype, seed=rows * 7 + vocab, ignore_rows=(1,))
+    mod = kernels(vocab, dtype)
+    xs = x.clone().requires_grad_()
+    loss = mod.cross_entropy(xs, y)
+    xr = x.detach().double().requires_grad_()
+    ref = reference(xr, y)
+    go = _grad_output(ref, g).to(DEVICE)
+    (ref * go).sum().backward()
+    (loss * go.float()).sum().backward()
+    assert_close(loss, ref, "fp32", "loss", factor=LOSS_TOL / TOL["fp32"])
+    assert_close(xs.grad, xr.grad, dtype, "dlogits")
+    assert xs.grad.dtype == x.dtype
+    assert torch.equal(xs.detach(), x), "the caller's logits were modified"
+
+
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()) or "plain")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_modes(flags, dtype):
+    rows, vocab = sizes(cpu=[(5, 1500)], gpu=[(512, 151936)])[0]
+    x, y, g = inputs(rows, vocab, dtype, seed=3, ignore_rows=(2,))
+    mod = kernels(vocab, dtype, **flags)
+    xs = x.clone().requires_grad_()
+    loss = mod.cross_entropy(xs, y)
+    xr = x.detach().double().requires_grad_()
+    ref = reference(xr, y, **flags)
+    assert loss.shape == ref.shape
+    go = _grad_output(ref, g).to(DEVICE)
+    (ref * go).sum().backward()
+    (loss * go.float()).sum().backward()
+    assert_close(loss, ref, "fp32", "loss", factor=LOSS_TOL / TOL["fp32"])
+    assert_close(xs.grad, xr.grad, dtype, "dlogits")
+    # the rows whose label is ignored get exactly zero gradient
+    assert torch.count_nonzero(xs.grad[2].float()) == 0
+
+
+@pytest.mark.parametrize("num_items", ["tensor", "int"])
+def test_num_items_in_batch(num_items):
+    rows, vocab = sizes(cpu=[(6, 1000)], gpu=[(1024, 151936)])[0]
+    x, y, g = inputs(rows, vocab, "fp32", seed=11, ignore_rows=(0, 3))
+    n = torch.tensor(17, device=DEVICE) if num_items == "tensor" else 17
+    mod = kernels(vocab, "fp32")
+    xs = x.clone().requires_grad_()
+    loss = mod.cross_entropy(xs, y, n)
+    xr = x.detach().double().requires_grad_()
+    ref = reference(xr, y, num_items=n)
+    ref.backward()
+    loss.backward()
+    assert_close(loss, ref, "fp32", "loss")
+    assert_close(xs.grad, xr.grad, "fp32", "dlogits")
+    # HF's fixed_cross_entropy: sum / num_items_in_batch
+    hf = torch.nn.functional.cross_entropy(x.double(), y, ignore_index=-100, reduction="sum") / 17
+    assert abs(loss.item() - hf.item()) <= 1e-5 * abs(hf.item())
+
+
+def test_all_rows_ignored_gives_zero_not_nan():
+    vocab = sizes(cpu=[1500], gpu=[151936])[0]
+    x, y, _ = inputs(3, vocab, "bf16", seed=5)
+    y[:] = -100
+    xs = x.clone().requires_grad_()
+    loss = kernels(vocab, "bf16").cross_entropy(xs, y)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(xs.grad) == 0
+    # what HF / torch give for the same batch (documented difference)
+    assert torch.isnan(torch.nn.functional.cross_entropy(x.float(), y, ignore_index=-100))
+
+
+def test_grad_output_one_and_other_values():
+    """grad_output == 1 skips the scaling kernel on the device; any other value scales."""
+    vocab = sizes(cpu=[1000], gpu=[151936])[0]
+    x, y, _ = inputs(4, vocab, "fp32", seed=9)
+    mod = kernels(vocab, "fp32")
+    a = x.clone().requires_grad_()
+    mod.cross_entropy(a, y).backward()
+    b = x.clone().requires_grad_()
+    (mod.cross_entropy(b, y) * 0.25).backward()
+    c = x.clone().requires_grad_()
+    (mod.cross_entropy(c, y) * 0.0).backward()
+    assert torch.allclose(b.grad, a.grad * 0.25, rtol=1e-6, atol=0)
+    assert torch.count_nonzero(c.grad) == 0
+    xr = x.double().requires_grad_()
+    reference(xr, y).backward()
+    assert rel_err(a.grad, xr.grad) <= TOL["fp32"]
+
+
+def test_no_grad_computes_loss_only():
+    vocab = 1000
+    x, y, _ = inputs(3, vocab, "fp32", seed=1)
+    mod = kernels(vocab, "fp32")
+    with torch.no_grad():
+        loss = mod.cross_entropy(x.clone().requires_grad_(), y)
+    assert not loss.requires_grad
+    _, dx = mod.cross_entropy_forward(x, y, compute_grad=False)
+    assert dx is None
+    assert_close(loss, reference(x, y), "fp32", "loss")
+
+
+def test_accepts_batched_logits_and_noncontiguous():
+    vocab = 700
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, vocab + 5, generator=g)[..., :vocab].to(DEVICE)       # non-contiguous rows
+    y = torch.randint(0, vocab, (2, 3), generator=g).to(DEVICE)
+    xs = x.clone().requires_grad_()
+    loss = kernels(vocab, "fp32").cross_entropy(xs, y)
+    loss.backward()
+    xr = x.double().requires_grad_()
+    reference(xr.reshape(-1, vocab), y.reshape(-1)).backward()
+    assert xs.grad.shape == x.shape
+    assert_close(xs.grad, xr.grad, "fp32", "dlogits")
+
+
+def test_label_count_mismatch_raises():
+    x, y, _ = inputs(4, 700, "fp32", seed=1)
+    with pytest.raises(ValueError, match="labels"):
+        kernels(700, "fp32").cross_entropy(x, y[:3])
+
+
+# ---------------------------------------------------------------- specialisation
+def _source(vocab, target="interpreter", dtype="bf16", **flags):
+    op = get_op(OP)
+    f = op.default_flags()
+    f.update(flags)
+    info = ModuleInfo("lm_head", "Linear", (), {"CausalLM": facts(vocab)}, dtype=dtype)
+    params = op.key_params(info, f, dtype, target)
+    return render(KernelKey.make(op.name, op.template, op.kernel_name(params), params)), params
+
+
+def _row_fn(src):
+    return src[src.index("def ce_row_"):src.index("def ce_fwd_")]
+
+
+def test_single_block_power_of_two_has_no_loop_and_no_mask():
+    src, p = _source(1024)
+    row = _row_fn(src)
+    assert p["single_pass"] and p["BLOCK"] == 1024
+    assert "for start in range" not in row and "mask=" not in row
+
+
+def test_single_block_non_power_of_two_masks_tail_without_loop():
+    row = _row_fn(_source(1000)[0])
+    assert "for start in range" not in row and "mask=msk" in row
+
+
+def test_long_row_loops_online_logsumexp():
+    src, p = _source(3000)
+    row = _row_fn(src)
+    assert not p["single_pass"] and p["n_tiles"] == 3
+    assert "for start in range(BLOCK, VOCAB, BLOCK)" in row and "m_new = tl.maximum" in row
+    # gpu: 151936 loops with the GPU block; 16384 is one pass there
+    assert not _source(151936, target="cuda")[1]["single_pass"]
+    assert _source(16384, target="cuda")[1]["single_pass"]
+
+
+def test_modes_are_compiled_in():
+    plain = _row_fn(_source(1500)[0])
+    assert "SOFTCAP" not in plain and "SMOOTHING" not in plain and "Z_LOSS" not in plain
+    capped = _row_fn(_source(1500, softcap=30.0)[0])
+    assert "SOFTCAP" in capped and "tl.sigmoid" in capped and "libdevice" not in capped
+    assert "libdevice.tanh" in _row_fn(_source(1500, target="cuda", softcap=30.0)[0])
+    assert "SMOOTHING" in _row_fn(_source(1500, label_smoothing=0.1)[0])
+    assert "Z_LOSS" in _row_fn(_source(1500, z_loss=1e-4)[0])
+    mean, _ = _source(1500)
+    none, _ = _source(1500, reduction="none")
+    assert "1.0 / count" in mean and "1.0 / count" not in none
+    assert "IGNORE_INDEX = tl.constexpr(-1)" in _source(1500, ignore_index=-1)[0]
+
+
+def test_kernel_name_says_what_it_is_for():
+    _, p = _source(151936, target="cuda", softcap=30.0, label_smoothing=0.1)
+    name = get_op(OP).kernel_name(p)
+    assert name == "fused_cross_entropy_bf16_v151936_mean_softcap30_ls0p1_cuda"
+
+
+def test_every_kernel_global_is_constexpr():
+    """Triton (3.x on the GPU) refuses non-constexpr globals inside @jit functions."""
+    src, _ = _source(3000, target="cuda", softcap=30.0, label_smoothing=0.1, z_loss=1e-4)
+    for name in ("VOCAB", "BLOCK", "IGNORE_INDEX", "SOFTCAP", "SMOOTHING", "Z_LOSS"):
+        assert f"{name} = tl.constexpr(" in src, name
+
+
+# ---------------------------------------------------------------- flags and refusals
+def test_flags_are_typed():
+    op = get_op(OP)
+    assert op.flag("reduction").coerce("sum") == "sum"
+    with pytest.raises(FlagTypeError):
+        op.flag("reduction").coerce("avg")
+    with pytest.raises(FlagTypeError):
+        op.flag("label_smoothing").coerce(1.5)
+    assert op.flag("softcap").coerce(None) is None and op.flag("softcap").coerce("auto") == "auto"
+    with pytest.raises(FlagTypeError):
+        op.flag("ignore_index").coerce(1.5)
+
+
+def test_check_refuses_without_causal_lm_and_double_softcap():
+    op = get_op(OP)
+    lin = torch.nn.Linear(16, 700, bias=False)
+    bare = ModuleInfo("head", "Linear", (), {"Linear": {"in_features": 16, "out_features": 700, "bias": False}})
+    assert "no enclosing causal LM" in op.check(lin, bare, op.default_flags())
+    gemma = ModuleInfo("lm_head", "Linear", (), {"CausalLM": facts(700, softcap=30.0)})
+    f = op.default_flags()
+    assert op.check(lin, gemma, f) is None
+    f["softcap"] = 30.0
+    assert "twice" in op.check(lin, gemma, f)
+    assert op.check(torch.nn.Embedding(700, 16), ModuleInfo("x", "E", (), {"CausalLM": facts(700)}),
+                    op.default_flags()) is not None
