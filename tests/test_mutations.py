@@ -44,7 +44,12 @@ def tiny_qwen3():
         num_key_value_heads=2, head_dim=16, vocab_size=160, max_position_embeddings=64,
         tie_word_embeddings=False, attention_dropout=0.0)
     cfg._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():      # norm weights initialise to 1: make them matter (and differ)
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0, 0.3)
+    return model
 
 
 def tiny_gemma3():
@@ -91,6 +96,9 @@ SPECS = {
     "fused_add_rmsnorm": "model.layers.*: DecoderLayer -> fused_add_rmsnorm\n",
     "fused_layernorm": "*.input_layernorm, model.final_layernorm: LayerNorm -> fused_layernorm\n",
     "fused_rope": "*.self_attn: Attention -> fused_rope\n",
+    "fused_qk_norm_rope": "*.self_attn: Attention -> fused_qk_norm_rope\n",
+    "fused_cross_entropy": "lm_head: Linear -> fused_cross_entropy\n",
+    "fused_linear_cross_entropy": "lm_head: Linear -> fused_linear_cross_entropy(chunk=16)\n",
 }
 
 
@@ -182,6 +190,9 @@ LN_FWD = r"^def layernorm_fwd_"
 LN_BWD = r"^def layernorm_bwd_"
 ROPE_FWD = r"^def rope_fwd_"
 ROPE_BWD = r"^def rope_bwd_"
+QKNR_FWD = r"^def qk_norm_rope_fwd_"
+QKNR_BWD = r"^def qk_norm_rope_bwd_"
+CE_ROW = r"^def ce_row_"
 GLU_FWD = r"^def \w+_mul_\w+_fwd\("
 GLU_BWD = r"^def \w+_mul_\w+_bwd\("
 
@@ -229,6 +240,34 @@ ALL_MUTATIONS = [
     Mutation("fused_rope", "position_ignored",
              (Edit(r"\(tok - b \* seq_len\) \* stride_cs", "0 * stride_cs", ROPE_FWD),), dtype="fp32",
              expect=("grad_q_proj.weight",)),
+    # ---- fused_qk_norm_rope (Qwen3: q_norm/k_norm fused with RoPE)
+    Mutation("fused_qk_norm_rope", "k_uses_q_norm_weight",
+             (Edit(r"\* wk1\)", "* wq1)", QKNR_FWD),), expect=("output", "grad_k_proj.weight")),
+    Mutation("fused_qk_norm_rope", "q_rms_over_half_head",
+             (Edit(r"/ HEAD_DIM \+ EPS\)", "/ HALF + EPS)", QKNR_FWD, count=2, nth=0),), expect=("output",)),
+    Mutation("fused_qk_norm_rope", "k_backward_rotation_sign",
+             (Edit(r"dn2 = dy2 \* c2 - dy1 \* s1", "dn2 = dy2 * c2 + dy1 * s1", QKNR_BWD, count=2, nth=1),),
+             expect=("grad_k_proj.weight", "grad_k_norm.weight")),
+    Mutation("fused_qk_norm_rope", "dwk_half_dropped",
+             (Edit(r"dwk2 \+= ", "dwk2 += 0.0 * ", QKNR_BWD),), dtype="fp32", expect=("grad_k_norm.weight",)),
+    # ---- fused_cross_entropy (on lm_head, hosted by the causal LM; vocab 160 in a block of 256).
+    # HF shifts the labels and pads each sequence's end with -100, so every batch has ignored rows.
+    Mutation("fused_cross_entropy", "ignore_index_not_ignored",
+             (Edit(r"if label == IGNORE_INDEX:", "if label == IGNORE_INDEX + 1:", CE_ROW),),
+             expect=("loss", "grad_input", "grad_weight")),
+    Mutation("fused_cross_entropy", "padding_in_logsumexp",
+             (Edit(r"^\s*z = tl\.where\(msk, z, float\(\"-inf\"\)\)\n", "", CE_ROW),), expect=("loss",)),
+    Mutation("fused_cross_entropy", "label_grad_sign",
+             (Edit(r"g - 1\.0", "g + 1.0", CE_ROW),), expect=("grad_input", "grad_weight")),
+    # ---- fused_linear_cross_entropy (24 rows in chunks of 16: two chunks)
+    Mutation("fused_linear_cross_entropy", "ignore_index_not_ignored",
+             (Edit(r"if label == IGNORE_INDEX:", "if label == IGNORE_INDEX + 1:", CE_ROW),),
+             expect=("loss", "grad_input", "grad_weight")),
+    Mutation("fused_linear_cross_entropy", "grad_w_first_chunk_only",
+             (Edit(r"^(\s*)if need_w:\n", r"\1if need_w and s == 0:\n", r"^def _chunks\("),),
+             dtype="fp32", expect=("grad_weight",)),
+    Mutation("fused_linear_cross_entropy", "grad_not_divided_by_token_count",
+             (Edit(r"^\s*g = g \* scale\n", "", CE_ROW),), expect=("grad_input", "grad_weight")),
     # ---- fused_swiglu (intermediate 80: one block of 128, masked tail)
     Mutation("fused_swiglu", "dgate_sign",
              (Edit(r"s \* \(1\.0 \+ g \* \(1\.0 - s\)\)", "s * (1.0 - g * (1.0 - s))",
@@ -262,7 +301,7 @@ BASELINES = sorted({(m.op, m.model, m.dtype) for m in MUTATIONS})
 
 
 def _verify(op: str, model: str, dtype: str):
-    return patchdsl.verify(SPECS[op], MODELS[model], dtype=dtype, batch=2, seq=8, seed=3, device=DEVICE)
+    return patchdsl.verify(SPECS[op], MODELS[model], dtype=dtype, batch=2, seq=12, seed=3, device=DEVICE)
 
 
 def _site_ops(report) -> dict[str, str]:

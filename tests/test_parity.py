@@ -43,7 +43,12 @@ def tiny_qwen3(layers: int = 2, hidden: int = 48, seed: int = 0, tie: bool = Fal
             num_key_value_heads=2, head_dim=16, vocab_size=160, max_position_embeddings=64,
             tie_word_embeddings=tie, attention_dropout=0.0)
         cfg._attn_implementation = "sdpa"
-        return AutoModelForCausalLM.from_config(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():      # norm weights initialise to 1: make them matter
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(1.0, 0.3)
+        return model
 
     return make
 
