@@ -78,14 +78,20 @@ class FusedQKNormRope(Op):
             return "q_norm and k_norm differ in eps, offset or casting; set the flags explicitly"
         if f["qk_norm"]["casting"] == "unknown" and flags.get("casting", "auto") == "auto":
             return "q_norm's forward matches neither the Llama nor the Gemma cast order; set casting= explicitly"
-        eps, offset, casting = _norm_facts(f, flags)
 
+        # The stand-in comparison checks the STRUCTURE (where the norms and the rotation sit), so
+        # its reference uses the stand-in's own norms' facts; eps/offset/casting flags are the
+        # user's deliberate overrides and are not second-guessed here.
         def qk_ref(self, q, k, cos, sin):
-            q = reference_rmsnorm(q, unwrap(self.q_norm).weight, eps, offset, casting)
-            k = reference_rmsnorm(k, unwrap(self.k_norm).weight, eps, offset, casting)
-            return reference_rope(q, k, cos, sin)
+            out = []
+            for x, norm in ((q, unwrap(self.q_norm)), (k, unwrap(self.k_norm))):
+                nf = rmsnorm(norm)
+                if not nf:
+                    raise ValueError("the stand-in's q_norm/k_norm are not RMSNorms")
+                out.append(reference_rmsnorm(x, norm.weight, nf["eps"], nf["offset"], nf["casting"]))
+            return reference_rope(out[0], out[1], cos, sin)
 
-        return probe(module, dict(f), an, qk_ref, f"qk_norm_rope {eps} {offset} {casting}")
+        return probe(module, dict(f), an, qk_ref, "qk_norm_rope")
 
     def make_forward(self, module, kernels, flags, info):
         from .attention_forward import analyse, build_forward, reference_rmsnorm, reference_rope
