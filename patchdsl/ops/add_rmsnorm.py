@@ -243,9 +243,20 @@ def probe_structure(module: Any, facts: Mapping[str, Any]) -> str | None:
              if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         named["patchdsl_probe_extra"] = _Sentinel("patchdsl_probe_extra")
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(2, 3, hidden, generator=g)
     replacement = build_forward(cls, lambda a, r, w: reference_add_rmsnorm(a, r, w, eps, offset, casting))
+    # every argument given (each a distinct sentinel), then none (the defaults must pass through too)
+    for seed, call_kwargs, must_run in ((4, named, True), (5, {}, False)):
+        reason = _compare(module, cls, replacement, hidden, call_kwargs, seed, must_run)
+        if reason:
+            return reason
+    return None
+
+
+def _compare(module, cls, replacement, hidden, named, seed, must_run) -> str | None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, hidden, generator=g)
     runs = []
     for fn in (cls.forward, replacement):
         layer = _stand_in_layer(module, hidden)
@@ -253,6 +264,8 @@ def probe_structure(module: Any, facts: Mapping[str, Any]) -> str | None:
             with torch.no_grad():
                 out = fn(layer, x.clone(), **named)
         except Exception as e:  # the forward needs something the stand-in does not have
+            if not must_run and fn is cls.forward:
+                return None     # the original needs these arguments too: nothing to compare
             msg = str(e).splitlines()[0] if str(e) else ""
             return f"its forward could not be checked on a stand-in ({type(e).__name__}: {msg[:120]})"
         used = [k for k, v in layer._modules.items() if k not in CHILDREN and getattr(v, "calls", 0)]

@@ -253,6 +253,11 @@ def test_positional_arguments_are_bound_like_the_original():
         with patch_module(layer, OP):
             out = layer(h, None, pos, None, False, pe)
     assert_close(out, ref, "fp32", "positional call")
+    with torch.no_grad():
+        ref = layer(h, position_embeddings=pe)               # the rest defaulted, as the original does
+        with patch_module(layer, OP):
+            out = layer(h, position_embeddings=pe)
+    assert_close(out, ref, "fp32", "defaulted arguments")
 
 
 def test_gradient_checkpointing_still_recomputes():
