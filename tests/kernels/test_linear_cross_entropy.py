@@ -1,0 +1,299 @@
+"""fused_linear_cross_entropy: loss and grad_hidden / grad_weight / grad_bias against float64.
+
+The float64 reference materialises the logits from the same (already rounded) hidden states
+and weight.  The fused path rounds the chunk's logits to the weight dtype (as the LM head does)
+and d(loss)/d(logits) to it before the two gradient matmuls, so its gradient error is a few
+roundings of that dtype: within the helpers' TOL (4 u).  On the interpreter a chunk is 16 tokens,
+so the test shapes span several chunks and a ragged last one.
+"""
+
+import pytest
+import torch
+
+from patchdsl.codegen import KernelKey, render
+from patchdsl.ops.base import ModuleInfo
+from patchdsl.ops.registry import get_op
+
+from .helpers import DEVICE, ON_GPU, TORCH_DTYPES, TOL, assert_close, kernel_for, sizes
+
+OP = "fused_linear_cross_entropy"
+
+
+def facts(vocab, hidden, bias=False, softcap=None, logits_scaling=None):
+    return {"vocab": vocab, "hidden": hidden, "bias": bias, "softcap": softcap,
+            "logits_scaling": logits_scaling, "tied": False}
+
+
+def kernels(n_vocab, hidden, dtype, bias=False, softcap=None, logits_scaling=None, **flags):
+    return kernel_for(OP, "CausalLM", facts(n_vocab, hidden, bias, softcap, logits_scaling), dtype, flags)
+
+
+def make(n, hidden, n_vocab, dtype, bias, seed, ignore=(3,)):
+    g = torch.Generator().manual_seed(seed)
+    dt = TORCH_DTYPES[dtype]
+    h = torch.randn(n, hidden, generator=g).to(dt).to(DEVICE)
+    w = (torch.randn(n_vocab, hidden, generator=g) * (2.0 / hidden ** 0.5)).to(dt).to(DEVICE)
+    b = (torch.randn(n_vocab, generator=g) * 0.5).to(dt).to(DEVICE) if bias else None
+    y = torch.randint(0, n_vocab, (n,), generator=g)
+    for r in ignore:
+        if r < n:
+            y[r] = -100
+    return h, w, b, y.to(DEVICE), g
+
+
+def reference(h, w, b, y, label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean", num_items=None,
+              logits_scaling=None):
+    x = h @ w.T
+    if b is not None:
+        x = x + b
+    if logits_scaling:
+        x = x / logits_scaling
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    lse = torch.logsumexp(x, -1)
+    valid = y != -100
+    tgt = x.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
+    per = (1 - label_smoothing) * (lse - tgt) + label_smoothing * (lse - x.mean(-1)) + z_loss * lse * lse
+    per = torch.where(valid, per, torch.zeros_like(per))
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    if num_items is not None:
+        return per.sum() / (num_items.double() if torch.is_tensor(num_items) else num_items)
+    return per.sum() / valid.sum().clamp_min(1)
+
+
+def run_both(mod, h, w, b, y, g, ref_kw=None, num_items=None, grad_output=None):
+    ref_kw = ref_kw or {}
+    hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
+    bs = b.clone().requires_grad_() if b is not None else None
+    loss = mod.linear_cross_entropy(hs, ws, bs, y, num_items)
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    br = b.double().requires_grad_() if b is not None else None
+    ref = reference(hr, wr, br, y, num_items=num_items, **ref_kw)
+    if grad_output is None:
+        grad_output = (torch.tensor(0.7, dtype=torch.float64) if ref.dim() == 0
+                       else torch.randn(ref.shape, generator=g, dtype=torch.float64))
+    go = grad_output.to(DEVICE)
+    (ref * go).sum().backward()
+    (loss * go.float()).sum().backward()
+    return (loss, hs.grad, ws.grad, bs.grad if bs is not None else None), (ref, hr.grad, wr.grad,
+                                                                            br.grad if br is not None else None)
+
+
+def check(out, ref, dtype, loss_tol=None):
+    loss, gh, gw, gb = out
+    rl, rh, rw, rb = ref
+    # the loss sees logits rounded to the weight dtype (as the LM head's output is)
+    assert_close(loss, rl, dtype, "loss", factor=loss_tol if loss_tol else 0.25)
+    assert_close(gh, rh, dtype, "grad_hidden")
+    assert_close(gw, rw, dtype, "grad_weight")
+    if rb is not None:
+        assert_close(gb, rb, dtype, "grad_bias")
+
+
+SHAPES = sizes(
+    cpu=[(40, 64, 1500, False), (37, 48, 1000, True), (1, 32, 3000, False), (20, 40, 1024, True)],
+    gpu=[(4096, 1024, 151936, False), (2048, 2048, 128256, True), (1, 1024, 151936, False), (1000, 896, 32000, True)],
+)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("n,hidden,n_vocab,bias", SHAPES)
+def test_forward_backward(n, hidden, n_vocab, bias, dtype):
+    h, w, b, y, g = make(n, hidden, n_vocab, dtype, bias, seed=n + hidden + n_vocab)
+    mod = kernels(n_vocab, hidden, dtype, bias=bias)
+    out, ref = run_both(mod, h, w, b, y, g)
+    check(out, ref, dtype)
+    assert out[1].dtype == h.dtype and out[2].dtype == w.dtype
+
+
+FLAG_SETS = [
+    ({"label_smoothing": 0.1}, {}),
+    ({"z_loss": 1e-3}, {}),
+    ({"reduction": "sum"}, {}),
+    ({"reduction": "none"}, {}),
+    ({"accumulate": "weight"}, {}),
+    ({"accumulate": "fp32"}, {}),
+    ({"chunk": 7}, {}),
+    ({}, {"softcap": 30.0}),
+    ({}, {"logits_scaling": 4.0}),
+    ({"label_smoothing": 0.05, "z_loss": 1e-4, "reduction": "sum"}, {"softcap": 20.0}),
+]
+
+
+@pytest.mark.parametrize("flags,model", FLAG_SETS,
+                         ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()) or "default")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_modes(flags, model, dtype):
+    n, hidden, n_vocab = sizes(cpu=[(35, 32, 1500)], gpu=[(1024, 1024, 151936)])[0]
+    h, w, b, y, g = make(n, hidden, n_vocab, dtype, True, seed=21)
+    mod = kernels(n_vocab, hidden, dtype, bias=True, **model, **flags)
+    ref_kw = {k: v for k, v in flags.items() if k in ("label_smoothing", "z_loss", "reduction")}
+    ref_kw.update(model)
+    out, ref = run_both(mod, h, w, b, y, g, ref_kw)
+    check(out, ref, dtype)
+    assert out[0].shape == ref[0].shape
+
+
+@pytest.mark.parametrize("kind", ["tensor", "int"])
+def test_num_items_in_batch(kind):
+    n, hidden, n_vocab = sizes(cpu=[(30, 32, 1000)], gpu=[(2048, 1024, 151936)])[0]
+    h, w, b, y, g = make(n, hidden, n_vocab, "fp32", False, seed=4, ignore=(0, 5, 9))
+    num = torch.tensor(n + 11, device=DEVICE) if kind == "tensor" else n + 11
+    out, ref = run_both(kernels(n_vocab, hidden, "fp32"), h, w, b, y, g, num_items=num)
+    check(out, ref, "fp32")
+
+
+def test_all_ignored_gives_zero_loss_and_grads():
+    n, hidden, n_vocab = 20, 32, 1000
+    h, w, b, y, g = make(n, hidden, n_vocab, "bf16", False, seed=8)
+    y[:] = -100
+    hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = kernels(n_vocab, hidden, "bf16").linear_cross_entropy(hs, ws, None, y)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(hs.grad) == 0 and torch.count_nonzero(ws.grad) == 0
+
+
+def test_grad_output_one_skips_scaling_and_other_values_scale():
+    n, hidden, n_vocab = 24, 32, 1000
+    h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=5)
+    mod = kernels(n_vocab, hidden, "fp32", bias=True)
+    grads = []
+    for s in (1.0, 0.5, 0.0):
+        hs, ws, bs = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        (mod.linear_cross_entropy(hs, ws, bs, y) * s).backward()
+        grads.append((hs.grad, ws.grad, bs.grad))
+    for a, c in zip(grads[0], grads[1]):
+        assert torch.allclose(c, a * 0.5, rtol=1e-6, atol=0)
+    assert all(torch.count_nonzero(t) == 0 for t in grads[2])
+
+
+def test_frozen_weight_and_frozen_hidden():
+    n, hidden, n_vocab = 20, 32, 1000
+    h, w, b, y, g = make(n, hidden, n_vocab, "fp32", False, seed=6)
+    mod = kernels(n_vocab, hidden, "fp32")
+    hs = h.clone().requires_grad_()
+    mod.linear_cross_entropy(hs, w, None, y).backward()          # frozen lm_head (e.g. LoRA elsewhere)
+    hr = h.double().requires_grad_()
+    reference(hr, w.double(), None, y).backward()
+    assert_close(hs.grad, hr.grad, "fp32", "grad_hidden")
+    ws = w.clone().requires_grad_()
+    mod.linear_cross_entropy(h, ws, None, y).backward()          # only the head trains
+    wr = w.double().requires_grad_()
+    reference(h.double(), wr, None, y).backward()
+    assert_close(ws.grad, wr.grad, "fp32", "grad_weight")
+    _, gh, gw, gb = mod.linear_cross_entropy_forward(h, w, None, y, need_h=False, need_w=True, need_b=False)
+    assert gh is None and gw is not None and gb is None
+
+
+def test_no_grad_is_loss_only():
+    n, hidden, n_vocab = 20, 32, 1000
+    h, w, b, y, g = make(n, hidden, n_vocab, "fp32", False, seed=7)
+    mod = kernels(n_vocab, hidden, "fp32")
+    with torch.no_grad():
+        loss = mod.linear_cross_entropy(h.requires_grad_(), w, None, y)
+    assert not loss.requires_grad
+    assert_close(loss, reference(h.double(), w.double(), None, y), "fp32", "loss")
+
+
+def test_hidden_in_another_dtype_is_cast_to_the_weight_dtype():
+    """Hidden states in fp32 with a bf16 head (what autocast-free mixed setups give)."""
+    n, hidden, n_vocab = 20, 32, 1000
+    h, w, b, y, g = make(n, hidden, n_vocab, "bf16", False, seed=9)
+    h32 = h.float().requires_grad_()
+    loss = kernels(n_vocab, hidden, "bf16").linear_cross_entropy(h32, w, None, y)
+    loss.backward()
+    assert h32.grad.dtype == torch.float32
+    hr = h.double().requires_grad_()
+    reference(hr, w.double(), None, y).backward()
+    assert_close(h32.grad, hr.grad, "bf16", "grad_hidden")
+
+
+def test_label_count_mismatch_raises():
+    h, w, b, y, g = make(10, 32, 700, "fp32", False, seed=1)
+    with pytest.raises(ValueError, match="labels"):
+        kernels(700, 32, "fp32").linear_cross_entropy(h, w, None, y[:9])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="device memory accounting needs CUDA")
+def test_extra_memory_is_one_chunk_of_logits():
+    n, hidden, n_vocab = 16384, 1024, 151936
+    h, w, b, y, g = make(n, hidden, n_vocab, "bf16", False, seed=1)
+    mod = kernels(n_vocab, hidden, "bf16")
+    hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ws.grad = torch.zeros_like(ws)
+    hs.grad = torch.zeros_like(hs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = mod.linear_cross_entropy(hs, ws, None, y)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # the gradients themselves (grad_hidden + grad_weight, already allocated above, are produced
+    # as new tensors then accumulated): allow them once, plus the chunk's logits.
+    grads = hs.numel() * 2 + ws.numel() * 2
+    assert extra <= grads + 80 * 2**20, f"extra peak {extra / 2**20:.0f} MiB"
+
+
+# ---------------------------------------------------------------- specialisation and naming
+def _source(n_vocab, hidden, target="interpreter", dtype="bf16", bias=False, **flags):
+    op = get_op(OP)
+    f = op.default_flags()
+    f.update(flags)
+    info = ModuleInfo("lm_head", "Linear", (), {"CausalLM": facts(n_vocab, hidden, bias)}, dtype=dtype)
+    p = op.key_params(info, f, dtype, target)
+    return render(KernelKey.make(op.name, op.template, op.kernel_name(p), p)), p
+
+
+def test_auto_chunk_keeps_chunk_logits_under_64mb_on_gpu():
+    _, p = _source(151936, 1024, target="cuda")
+    assert p["chunk"] * 151936 * 2 <= 64 * 2**20 and p["chunk"] >= 128
+    assert p["accumulate"] == "weight"          # an fp32 copy of grad_weight would be 594 MiB
+    _, small = _source(32000, 512, target="cuda")
+    assert small["accumulate"] == "fp32"
+    _, p32 = _source(151936, 1024, target="cuda", dtype="fp32")
+    assert p32["chunk"] * 151936 * 4 <= 64 * 2**20
+    assert _source(1500, 64, chunk=100)[1]["chunk"] == 100
+
+
+def test_specialisation_changes_the_code():
+    plain, _ = _source(1024, 64)
+    assert "torch.mm(hc, wt, out=lc)" in plain and "addmm(b" not in plain
+    row = plain[plain.index("def ce_row_"):plain.index("def ce_fwd_")]
+    assert "for start in range" not in row and "mask=" not in row
+    biased, _ = _source(3000, 64, bias=True)
+    assert "torch.addmm(b, hc, wt, out=lc)" in biased and "gb +=" in biased
+    assert "for start in range(BLOCK, VOCAB, BLOCK)" in biased
+    fp32acc, _ = _source(3000, 64, target="cuda", accumulate="fp32")
+    assert "out_dtype=torch.float32" in fp32acc
+    wacc, _ = _source(3000, 64, target="cuda", accumulate="weight")
+    assert "out_dtype" not in wacc and "acc.addmm_(dl.t(), hc)" in wacc
+    none, _ = _source(3000, 64, reduction="none")
+    assert "linear_cross_entropy_recompute(h, w, b, labels, grad_output" in none
+    assert "ctx.grads" not in none
+
+
+def test_kernel_name():
+    _, p = _source(151936, 1024, target="cuda")
+    name = get_op(OP).kernel_name(p)
+    assert name.startswith("fused_linear_cross_entropy_bf16_h1024_v151936_mean_c")
+    assert name.endswith("_accweight_cuda")
+
+
+def test_check_refuses_mismatches():
+    op = get_op(OP)
+    f = op.default_flags()
+    lin = torch.nn.Linear(32, 700, bias=False)
+    info = ModuleInfo("lm_head", "Linear", (), {"CausalLM": facts(700, 32)})
+    assert op.check(lin, info, f) is None
+    assert "not the causal LM's lm_head" in op.check(torch.nn.Linear(32, 600), info, f)
+    bare = ModuleInfo("head", "Linear", (), {"Linear": {"in_features": 32, "out_features": 700, "bias": False}})
+    assert "no enclosing causal LM" in op.check(lin, bare, f)
+    gemma = ModuleInfo("lm_head", "Linear", (), {"CausalLM": facts(700, 32, softcap=30.0)})
+    assert op.check(lin, gemma, f) is None
+    assert "softcap" in op.check(lin, gemma, dict(f, softcap=None))
+    assert "softcap" in op.check(lin, info, dict(f, softcap=15.0))
