@@ -1,0 +1,197 @@
+"""``patchdsl bench``: per-op and end-to-end benchmarks (the click command forwards its raw args here).
+
+    patchdsl bench ops  [--json F] [--ops rmsnorm,swiglu] [--impls patchdsl,hf,...] [--no-sweep] [--budget S]
+    patchdsl bench e2e  [--json F] [--batch 16 --seq 2048] [--variants hf,patchdsl,liger] [--budget S]
+    patchdsl bench summary FILE.json [FILE.json]   # print the tables (and the issue's targets) again
+    patchdsl bench plot FILE.json [FILE.json] --png F
+
+Results go to --json, else to $OUT/<ops|e2e>.json when $OUT is set, else to bench/results/.
+On a machine without a GPU the default is a tiny CPU run through the Triton interpreter (for
+testing the harness; its times mean nothing).  Exit status: 0, or 1 when a patchdsl kernel's
+result was wrong (relative error over the tolerance), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _out_dir() -> Path:
+    out = os.environ.get("OUT")
+    return Path(out) if out else Path.cwd() / "bench" / "results"
+
+
+def _csv(s: str | None) -> tuple[str, ...] | None:
+    if not s:
+        return None
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def _default_device() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            return "cuda"
+    except Exception:
+        pass
+    return "cpu"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="patchdsl bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    o = sub.add_parser("ops", help="per-op benchmarks against HF eager, torch.compile, Liger, CCE")
+    o.add_argument("--json", help="output JSON (default: $OUT/ops.json or bench/results/ops.json)")
+    o.add_argument("--png", help="also write a plot here (default: next to the JSON, ops.png)")
+    o.add_argument("--no-png", action="store_true")
+    o.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    o.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    o.add_argument("--ops", help="comma-separated op families (default: all)")
+    o.add_argument("--impls", help="comma-separated: patchdsl,hf,compile,liger,cce (default: all)")
+    o.add_argument("--no-sweep", action="store_true", help="only the issue's shapes")
+    o.add_argument("--sweep-only", action="store_true", help="only the sweep shapes")
+    o.add_argument("--tiny", action="store_true", help="tiny shapes (default on the CPU)")
+    o.add_argument("--compile-sweep", action="store_true", help="torch.compile at the sweep shapes too")
+    o.add_argument("--compile-backend", default="inductor")
+    o.add_argument("--budget", type=float, default=1e9, help="seconds; units not started by then are skipped")
+    o.add_argument("--target-ms", type=float, default=150.0, help="timed replays per measurement, in ms")
+    o.add_argument("--seed", type=int, default=1234)
+    o.add_argument("--quiet", action="store_true")
+
+    e = sub.add_parser("e2e", help="end-to-end training throughput (Qwen3-0.6B, random weights)")
+    e.add_argument("--json")
+    e.add_argument("--png")
+    e.add_argument("--no-png", action="store_true")
+    e.add_argument("--device")
+    e.add_argument("--model", default="Qwen/Qwen3-0.6B")
+    e.add_argument("--spec", default="specs/qwen3.kpatch")
+    e.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16 (fp32 with --tiny on CPU)")
+    e.add_argument("--batch", type=int)
+    e.add_argument("--seq", type=int)
+    e.add_argument("--micro-batch", type=int, help="split each batch (gradient accumulation)")
+    e.add_argument("--steps", type=int, default=None, help="measured steps (default 5; 2 tiny)")
+    e.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; 1 tiny)")
+    e.add_argument("--variants", default="hf,patchdsl,liger", help="hf,patchdsl,compile,liger (liger runs last)")
+    e.add_argument("--tiny", action="store_true", help="tiny architecture (default on the CPU)")
+    e.add_argument("--budget", type=float, default=1e9)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--quiet", action="store_true")
+
+    s = sub.add_parser("summary", help="print the tables of result JSON files")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--no-sweep", action="store_true")
+
+    g = sub.add_parser("plot", help="plot result JSON files")
+    g.add_argument("files", nargs="+")
+    g.add_argument("--png", required=True)
+    return p
+
+
+def _load(files: list[str]) -> tuple[dict | None, dict | None]:
+    ops = e2e = None
+    for f in files:
+        try:
+            d = json.loads(Path(f).read_text())
+        except (OSError, ValueError) as ex:
+            print(f"cannot read {f}: {ex}", file=sys.stderr)
+            continue
+        if d.get("kind") == "patchdsl-bench-ops":
+            ops = d
+        elif d.get("kind") == "patchdsl-bench-e2e":
+            e2e = d
+        else:
+            print(f"{f}: not a patchdsl bench result", file=sys.stderr)
+    return ops, e2e
+
+
+def _wrong(ops: dict | None) -> bool:
+    return bool(ops) and any(r.get("impl") == "patchdsl" and r.get("correct") is False for r in ops.get("results", []))
+
+
+def run(argv: list[str]) -> int:
+    try:
+        a = _parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) if e.code in (0, None) else 2
+    from . import report
+
+    if a.cmd == "summary":
+        ops, e2e = _load(a.files)
+        if ops:
+            print(report.ops_summary(ops, sweep=not a.no_sweep))
+        if e2e:
+            print(report.e2e_summary(e2e))
+        t = report.targets_summary(ops, e2e)
+        if t:
+            print(t)
+        return 1 if _wrong(ops) else 0
+    if a.cmd == "plot":
+        from .plot import plot
+
+        ops, e2e = _load(a.files)
+        p = plot(ops, e2e, a.png)
+        print(p or "no plot (matplotlib missing or nothing to draw)")
+        return 0
+
+    device = a.device or _default_device()
+    cuda = device.startswith("cuda")
+    if a.cmd == "ops":
+        from .runner import IMPLS, Options, run_ops
+
+        tiny = a.tiny or not cuda
+        groups = ("tiny",) if tiny else (("sweep",) if a.sweep_only else ("issue",) if a.no_sweep else ("issue", "sweep"))
+        path = a.json or str(_out_dir() / "ops.json")
+        impls = _csv(a.impls) or IMPLS
+        bad = [i for i in impls if i not in IMPLS]
+        if bad:
+            print(f"unknown impl(s) {bad}; known: {', '.join(IMPLS)}", file=sys.stderr)
+            return 2
+        opts = Options(device=device, dtype=a.dtype, groups=groups, ops=_csv(a.ops), impls=impls,
+                       budget_s=a.budget, compile_sweep=a.compile_sweep, compile_backend=a.compile_backend,
+                       target_ms=a.target_ms, json_path=path, seed=a.seed, quiet=a.quiet)
+        try:
+            doc = run_ops(opts)
+        except ValueError as ex:
+            print(str(ex), file=sys.stderr)
+            return 2
+        if not a.no_png:
+            from .plot import plot
+
+            plot(doc, None, a.png or str(Path(path).with_suffix(".png")))
+        print(report.ops_summary(doc))
+        t = report.targets_summary(doc, None)
+        if t:
+            print(t)
+        print(f"results: {path}")
+        return 1 if _wrong(doc) else 0
+    if a.cmd == "e2e":
+        from .e2e import E2EOptions, run_e2e
+
+        tiny = a.tiny or not cuda
+        path = a.json or str(_out_dir() / "e2e.json")
+        o = E2EOptions(device=device, model=a.model, spec=a.spec,
+                       dtype=a.dtype or ("fp32" if tiny and not cuda else "bf16"),
+                       batch=a.batch or (2 if tiny else 16), seq=a.seq or (16 if tiny else 2048),
+                       micro_batch=a.micro_batch, steps=a.steps if a.steps is not None else (2 if tiny else 5),
+                       warmup=a.warmup if a.warmup is not None else (1 if tiny else 2),
+                       variants=_csv(a.variants) or ("hf", "patchdsl"), tiny=tiny, budget_s=a.budget,
+                       json_path=path, seed=a.seed, quiet=a.quiet)
+        doc = run_e2e(o)
+        if not a.no_png:
+            from .plot import plot
+
+            plot(None, doc, a.png or str(Path(path).with_suffix(".png")))
+        print(report.e2e_summary(doc))
+        t = report.targets_summary(None, doc)
+        if t:
+            print(t)
+        print(f"results: {path}")
+        return 0
+    return 2

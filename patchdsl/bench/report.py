@@ -1,0 +1,250 @@
+"""Compact text summaries of the ops / e2e JSON documents, and the issue's targets checked against them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MiB = 2 ** 20
+GiB = 2 ** 30
+PEERS = ("hf", "compile", "liger", "cce")
+
+# (op, shape label, field, limit, what): the issue's targets, judged on the patchdsl row.
+TARGETS = [
+    ("rmsnorm", "16384x1024", "fwd_bwd_ms", 0.045, "RMSNorm 16384x1024 fwd+bwd <= 0.045 ms"),
+    ("swiglu", "16384x3072", "fwd_bwd_ms", 0.19, "SiLU*mul 16384x3072 fwd+bwd <= 0.19 ms"),
+    ("swiglu", "16384x3072", "fwd_ms", 0.19, "SiLU*mul 16384x3072 fwd <= 0.19 ms"),
+    ("swiglu", "16384x3072", "fwd_resident_bytes<hf", None, "SiLU*mul saves less for backward than HF"),
+    ("rope", "8x2048 q16/kv8 d128", "fwd_bwd_ms", 0.10, "RoPE q,k 8x2048 (Qwen3 heads) fwd+bwd <= 0.10 ms"),
+    ("qk_norm_rope", "8x2048 q16/kv8 d128", "fwd_bwd_ms", 0.10, "qk-norm+RoPE 8x2048 fwd+bwd <= 0.10 ms (RoPE target)"),
+    ("cross_entropy", "8192x151936", "fwd_bwd_ms", 1.9, "CE 8192x151936 fwd+bwd <= 1.9 ms"),
+    ("linear_cross_entropy", "16384x1024x151936", "fwd_bwd_ms", 23.0, "linear CE 16384x1024x151936 fwd+bwd <= 23 ms"),
+    ("linear_cross_entropy", "16384x1024x151936", "extra_peak_bytes", 64 * MiB, "linear CE extra peak <= 64 MB"),
+    ("linear_cross_entropy", "16384x1024x151936", "no_host_sync", None, "linear CE: no host synchronisation"),
+]
+
+
+def _f(x: Any, fmt: str = ".4f", none: str = "-") -> str:
+    if x is None:
+        return none
+    if isinstance(x, str):
+        return x
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf"
+    return format(x, fmt)
+
+
+def _ms(x: Any) -> str:
+    if x is None:
+        return "-"
+    if x >= 100:
+        return f"{x:.1f}"
+    if x >= 10:
+        return f"{x:.2f}"
+    if x >= 1:
+        return f"{x:.3f}"
+    return f"{x:.4f}"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if not a or not b:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    w = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w[i]) if i < 3 else str(c).rjust(w[i]) for i, c in enumerate(header))]
+    for r in rows:
+        lines.append("  ".join(str(c).ljust(w[i]) if i < 3 else str(c).rjust(w[i]) for i, c in enumerate(r)))
+    return "\n".join(lines)
+
+
+def _err(r: dict) -> str:
+    e = r.get("err_max")
+    if e is None:
+        return "-"
+    s = _f(e, ".1e") if not isinstance(e, str) else e
+    return s if r.get("correct") else s + " BAD"
+
+
+def ops_summary(doc: dict, sweep: bool = True) -> str:
+    env, ceil = doc.get("env", {}), doc.get("ceilings", {})
+    copy = ceil.get("copy", {}).get("gbps")
+    mm = ceil.get("matmul_bf16", {}).get("tflops")
+    out = [f"== ops: {doc.get('options', {}).get('dtype', '?')} on {env.get('gpu', env.get('device', '?'))}; "
+           f"copy {_f(copy, '.0f')} GB/s, bf16 matmul {_f(mm, '.0f')} TFLOP/s; torch {env.get('torch')}, "
+           f"triton {env.get('triton')}, transformers {env.get('transformers')}, liger {env.get('liger_kernel')}, "
+           f"cce {env.get('cut_cross_entropy')}; {env.get('date', '')}"
+           + ("" if doc.get("complete") else "  [INCOMPLETE: run stopped early]")]
+    results = doc.get("results", [])
+    by = {(r["op"], r["label"], r["impl"]): r for r in results}
+    header = ["op", "shape", "impl", "fwd ms", "bwd ms", "f+b ms", "%copy", "floor", "err", "peak MiB",
+              "extra MiB", "host us", "vs hf", "vs comp", "vs liger"]
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    seen = []
+    for r in results:
+        if r["group"] == "sweep" or (r["op"], r["label"]) in seen:
+            continue
+        seen.append((r["op"], r["label"]))
+    for op, label in seen:
+        first = True
+        for impl in ("patchdsl",) + PEERS:
+            r = by.get((op, label, impl))
+            if r is None:
+                continue
+            name = (op if first else "")
+            shape = (label if first else "")
+            first = False
+            if r["status"] != "ok":
+                notes.append(f"  [{len(notes) + 1}] {op} {label} {impl}: {r['status']}: {str(r.get('error', ''))[:160]}")
+                rows.append([name, shape, impl, f"[{len(notes)}]", r["status"]] + [""] * 10)
+                continue
+            pd = by.get((op, label, "patchdsl"))
+            pdf = pd.get("fwd_bwd_ms") if pd and pd.get("status") == "ok" else None
+
+            def vs(peer):
+                if impl != "patchdsl":
+                    return ""
+                p = by.get((op, label, peer))
+                return _ratio(pdf, p.get("fwd_bwd_ms")) if p and p.get("status") == "ok" else "-"
+
+            pc = r.get("pct_copy", {}).get("fwd_bwd")
+            tf = r.get("tflops", {}).get("fwd_bwd")
+            util = f"{r['pct_matmul']['fwd_bwd']:.0f}%mm" if r.get("pct_matmul") else (f"{pc:.0f}%" if pc else "-")
+            rows.append([name, shape, impl + (" (sync)" if r.get("host_sync") else ""),
+                         _ms(r.get("fwd_ms")), _ms(r.get("bwd_ms")), _ms(r.get("fwd_bwd_ms")), util,
+                         _ms(r.get("floor_ms", {}).get("fwd_bwd")), _err(r),
+                         _f(r["peak_bytes"] / MiB, ".0f") if r.get("peak_bytes") is not None else "-",
+                         _f(r["extra_peak_bytes"] / MiB, ".0f") if r.get("extra_peak_bytes") is not None else "-",
+                         _f(r.get("host_fwd_us"), ".0f"), vs("hf"), vs("compile"), vs("liger")])
+            if tf is not None and impl == "patchdsl":
+                rows[-1][6] += f" {tf:.0f}TF"
+    out.append(_table(rows, header))
+    out.extend(notes)
+    out.append("f+b = forward+backward GPU time per call (CUDA-graph replay, L2-cold rotation); %copy = bytes moved "
+               "(minimum) / time over the measured copy bandwidth (%mm: FLOPs over the matmul rate); floor = that "
+               "minimum time; err = max rel. error of outputs and grads vs float64 (BAD > tol); extra = peak "
+               "minus outputs and grads; host us = CPU time to issue one forward; vs X = patchdsl f+b / X f+b.")
+    if sweep:
+        sw_ops = sorted({(r["op"], r["label"]) for r in results if r["group"] == "sweep"},
+                        key=lambda t: [x["op"] for x in results].index(t[0]))
+        if sw_ops:
+            rows = []
+            for op, label in sw_ops:
+                r = by.get((op, label, "patchdsl"))
+                peers = {p: by.get((op, label, p)) for p in PEERS}
+
+                def pms(p):
+                    x = peers.get(p)
+                    return x.get("fwd_bwd_ms") if x and x.get("status") == "ok" else None
+
+                if r is None or r.get("status") != "ok":
+                    st = "missing" if r is None else r["status"]
+                    rows.append([op, label, "patchdsl", st, "", "", _ms(pms("hf")), _ms(pms("compile")),
+                                 _ms(pms("liger")), "", "", ""])
+                    continue
+                pc = r.get("pct_copy", {}).get("fwd_bwd")
+                pf = r.get("fwd_bwd_ms")
+                rows.append([op, label, "patchdsl", _ms(pf), f"{pc:.0f}%" if pc else "-", _err(r),
+                             _ms(pms("hf")), _ms(pms("compile")), _ms(pms("liger")),
+                             _ratio(pf, pms("hf")), _ratio(pf, pms("compile")), _ratio(pf, pms("liger"))])
+            out.append("-- sweep (fwd+bwd ms) --")
+            out.append(_table(rows, ["op", "shape", "impl", "f+b ms", "%copy", "err", "hf", "compile", "liger",
+                                     "vs hf", "vs comp", "vs liger"]))
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    out.append("units: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+               + f"; {doc.get('elapsed_s', 0):.0f} s")
+    return "\n".join(out)
+
+
+def target_rows(ops: dict | None, e2e: dict | None) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) for each of the issue's targets that the documents can answer."""
+    rows: list[tuple[str, str, str]] = []
+    if ops:
+        by = {(r["op"], r["label"], r["impl"]): r for r in ops.get("results", [])}
+        for op, label, fld, limit, what in TARGETS:
+            r = by.get((op, label, "patchdsl"))
+            if r is None or r.get("status") != "ok":
+                rows.append((what, "not measured" if r is None else r["status"], "n/a"))
+                continue
+            if fld == "no_host_sync":
+                rows.append((what, "syncs: " + r["host_sync"] if r.get("host_sync") else "none seen",
+                             "FAIL" if r.get("host_sync") else "PASS"))
+            elif fld == "fwd_resident_bytes<hf":
+                h = by.get((op, label, "hf"))
+                a, b = r.get("fwd_resident_bytes"), (h or {}).get("fwd_resident_bytes")
+                if a is None or b is None:
+                    rows.append((what, "n/a", "n/a"))
+                else:
+                    rows.append((what, f"{a / MiB:.0f} MiB vs HF {b / MiB:.0f} MiB", "PASS" if a < b else "FAIL"))
+            else:
+                v = r.get(fld)
+                if v is None:
+                    rows.append((what, "n/a", "n/a"))
+                elif fld.endswith("bytes"):
+                    rows.append((what, f"{v / MiB:.1f} MiB", "PASS" if v <= limit else "FAIL"))
+                else:
+                    rows.append((what, f"{_ms(v)} ms", "PASS" if v <= limit else "FAIL"))
+            if r.get("correct") is False:
+                rows[-1] = (rows[-1][0], rows[-1][1] + f" (WRONG: err {r.get('err_max')})", "FAIL")
+        pd = [r for r in ops.get("results", []) if r["impl"] == "patchdsl" and r["group"] != "sweep"
+              and r.get("status") == "ok" and r.get("host_fwd_us") is not None]
+        if pd:
+            worst = max(pd, key=lambda r: r["host_fwd_us"])
+            rows.append(("per-call CPU overhead (host time of one forward) <= 30 us",
+                         f"max {worst['host_fwd_us']:.0f} us ({worst['op']})",
+                         "PASS" if worst["host_fwd_us"] <= 30 else "FAIL"))
+    if e2e:
+        v = next((x for x in e2e.get("variants", []) if x["variant"] == "patchdsl"), None)
+        what = "e2e Qwen3-0.6B >= 110k tokens/s at <= 46 GiB"
+        if v is None or v.get("status") != "ok":
+            rows.append((what, "not measured" if v is None else v["status"], "n/a"))
+        else:
+            tps, peak = v.get("tokens_per_s", 0), v.get("peak_bytes")
+            ok = tps >= 110_000 and (peak is not None and peak <= 46 * GiB)
+            full = e2e.get("options", {}).get("batch") == 16 and e2e.get("options", {}).get("seq") == 2048
+            rows.append((what, f"{tps:,.0f} tokens/s, {(peak or 0) / GiB:.1f} GiB" + ("" if full else " (not 16x2048)"),
+                         ("PASS" if ok else "FAIL") if full else "n/a"))
+    return rows
+
+
+def targets_summary(ops: dict | None, e2e: dict | None) -> str:
+    rows = target_rows(ops, e2e)
+    if not rows:
+        return ""
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    return "\n".join(["== targets (patchdsl) =="] + [f"{a.ljust(w0)}  {b.ljust(w1)}  {c}" for a, b, c in rows])
+
+
+def e2e_summary(doc: dict) -> str:
+    env = doc.get("env", {})
+    o = doc.get("options", {})
+    m = doc.get("model", {})
+    head = (f"== e2e: {m.get('type', '?')} {m.get('layers', '?')} layers, {m.get('params', 0) / 1e6:.0f}M params, "
+            f"batch {o.get('batch')}x{o.get('seq')}, {o.get('dtype')}, {env.get('gpu', env.get('device'))}"
+            + ("" if doc.get("complete") else "  [INCOMPLETE]"))
+    if doc.get("error"):
+        return head + "\n" + doc["error"]
+    hf = next((v for v in doc.get("variants", []) if v["variant"] == "hf" and v.get("status") == "ok"), None)
+    rows = []
+    for v in doc.get("variants", []):
+        if v.get("status") != "ok":
+            rows.append([v["variant"], f"{v['status']}: {str(v.get('error', ''))[:100]}", "", "", "", "", "", ""])
+            continue
+        ls = v.get("losses", [])
+        d = doc.get("loss_agreement", {}).get(v["variant"], {})
+        rows.append([v["variant"], f"{v['tokens_per_s']:,.0f}", f"{v['step_ms']:.1f}",
+                     f"{v['peak_bytes'] / GiB:.2f}" if v.get("peak_bytes") else "-",
+                     f"{v['micro_batch']}", " ".join(f"{x:.4f}" for x in ls[:3]),
+                     _f(d.get("max_abs_diff"), ".1e") if d else "-",
+                     _ratio(v["tokens_per_s"], hf["tokens_per_s"]) if hf else "-"])
+        if v["variant"] == "patchdsl" and (v.get("dropped_rules") or v.get("refused")):
+            rows.append(["", f"dropped: {len(v.get('dropped_rules', []))} rule(s); refused: {len(v.get('refused', []))}",
+                         "", "", "", "", "", ""])
+    return "\n".join([head, _table(rows, ["variant", "tokens/s", "step ms", "peak GiB", "micro", "losses (first 3)",
+                                          "max|dloss|", "vs hf"])])
