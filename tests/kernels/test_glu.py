@@ -404,7 +404,7 @@ def test_patched_hf_mlp_matches(name, dtype):
     base = tiny_mlp(name).to(DEVICE)
     hf = copy.deepcopy(base).to(dt)
     ours = copy.deepcopy(base).to(dt)
-    ref = copy.deepcopy(base).double()
+    ref = copy.deepcopy(hf).double()          # float64 on the same (rounded) weights
     g = torch.Generator().manual_seed(1)
     b, s = TOKENS
     x = torch.randn(b, s, H, generator=g).to(dt).to(DEVICE)
@@ -578,3 +578,56 @@ def test_refuses_module_that_is_not_an_mlp():
 
     with pytest.raises(PatchError, match="not a SwiGLU MLP"):
         patch_module(torch.nn.Linear(4, 4), "fused_swiglu")
+
+
+class _DropoutMLP(torch.nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(16, 24, bias=False)
+        self.up_proj = torch.nn.Linear(16, 24, bias=False)
+        self.down_proj = torch.nn.Linear(24, 16, bias=False)
+        self.act_fn = torch.nn.SiLU()
+        self.dropout = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def test_dropout_in_forward_is_refused_even_in_eval_mode_and_probe_has_no_side_effects():
+    from patchdsl.index import build_index
+    from patchdsl.runtime import PatchError, patch_module
+
+    op = get_op("fused_swiglu")
+    m = _DropoutMLP(0.1).eval()
+    rng = torch.get_rng_state()
+    reason = op.check(m, build_index(m).infos[""], op.default_flags())
+    assert reason and "_DropoutMLP" in reason and "does not compute" in reason
+    assert torch.equal(torch.get_rng_state(), rng), "the probe moved the caller's RNG"
+    assert not m.training and not m.dropout.training and not m.act_fn.training, "the probe changed train/eval flags"
+    with pytest.raises(PatchError):
+        patch_module(m, "fused_swiglu")
+    h = patch_module(_DropoutMLP(0.0), "fused_swiglu")   # p = 0 computes the plain formula
+    h.undo()
+
+
+def test_float64_and_autocast_inputs():
+    """float64 has no kernel: the same formula in torch; under autocast the kernel follows the
+    projections' output dtype."""
+    from patchdsl.runtime import patch_module
+
+    mlp = tiny_mlp("phi3").to(DEVICE)
+    ref = copy.deepcopy(mlp).double()
+    h = patch_module(mlp, "fused_swiglu")
+    m64 = copy.deepcopy(ref)
+    h64 = patch_module(m64, "fused_swiglu")
+    x = torch.randn(*TOKENS, H, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    dy = torch.randn(*TOKENS, H, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    out64, g64 = run_mlp(m64, x.double(), dy.double())
+    out_ref, g_ref = run_mlp(ref, x.double(), dy.double())
+    torch.testing.assert_close(out64, out_ref)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out_ac = mlp(x)
+    assert out_ac.dtype == torch.bfloat16
+    assert_close(out_ac, out_ref, "bf16", "autocast output", factor=2)
+    h.undo()
+    h64.undo()
