@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
-from .rmsnorm import next_pow2, resolve_auto, row_block, row_warps, rows_per_tile
+from .rmsnorm import next_pow2, resolve_auto, row_block, row_launch
 
 CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -324,8 +324,7 @@ class FusedAddRMSNorm(Op):
         return {
             "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
             "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
-            "ROWS": rows_per_tile(block, single, target), "num_warps": row_warps(block),
-            "bwd_programs_per_sm": 4, "target": target, "tag": f"h{hidden}",
+            **row_launch(block, single, target), "target": target, "tag": f"h{hidden}",
         }
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
-from .rmsnorm import next_pow2, resolve_auto, row_block, row_warps, rows_per_tile
+from .rmsnorm import next_pow2, resolve_auto, row_block, row_launch
 
 
 class FusedLayerNorm(Op):
@@ -31,8 +31,7 @@ class FusedLayerNorm(Op):
         return {
             "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "bias": bool(f["bias"]),
             "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
-            "ROWS": rows_per_tile(block, single, target), "num_warps": row_warps(block),
-            "bwd_programs_per_sm": 4, "target": target, "tag": f"h{hidden}",
+            **row_launch(block, single, target), "target": target, "tag": f"h{hidden}",
         }
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:

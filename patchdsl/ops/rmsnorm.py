@@ -45,6 +45,14 @@ def rows_per_tile(block: int, single_pass: bool, target: str) -> int:
     return max(1, min(16, 4096 // block))
 
 
+def row_launch(block: int, single_pass: bool, target: str) -> dict[str, int]:
+    """Launch shape of the row-norm kernels (forward tile rows and warps, backward the same plus
+    programs per SM for the persistent dW-partial scheme)."""
+    rows = rows_per_tile(block, single_pass, target)
+    return {"ROWS": rows, "num_warps": row_warps(block), "BWD_ROWS": rows, "bwd_warps": row_warps(block),
+            "bwd_programs_per_sm": 4}
+
+
 def resolve_auto(flags: Mapping[str, Any], name: str, detected: Any) -> Any:
     v = flags.get(name, "auto")
     return detected if v == "auto" else v
@@ -79,8 +87,7 @@ class FusedRMSNorm(Op):
         return {
             "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
             "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
-            "ROWS": rows_per_tile(block, single, target), "num_warps": row_warps(block),
-            "bwd_programs_per_sm": 4, "target": target, "tag": f"h{hidden}",
+            **row_launch(block, single, target), "target": target, "tag": f"h{hidden}",
         }
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
