@@ -96,6 +96,17 @@ def test_verify_fp16_and_steps():
     assert all(math.isfinite(r.rel_fro_err) for r in steps)
 
 
+def test_tied_embeddings_with_the_loss_ops():
+    """Qwen3-0.6B ties lm_head to the embedding: the loss site's weight gradient is the shared one."""
+    spec = available_spec("fused_rmsnorm", "fused_linear_cross_entropy")
+    report = patchdsl.verify(spec, tiny_qwen3(layers=1, tie=True), dtype="fp32", batch=2, seq=8, device=DEVICE)
+    assert report.passed, [(r.path, r.quantity, r.rel_fro_err, r.tolerance) for r in report.failures()]
+    if get_op("fused_linear_cross_entropy") is not None:
+        rows = report.site_rows("lm_head")
+        assert {r.quantity for r in rows} == {"loss", "grad_input", "grad_weight"}
+        assert "logits" not in {r.quantity for r in report.rows if r.kind == "end-to-end"}   # the fused loss has none
+
+
 def test_module_argument_is_left_untouched():
     model = tiny_qwen3(layers=1)()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -248,7 +259,7 @@ def test_verify_real_qwen3_shapes_on_gpu():
     from patchdsl.models import load_model
 
     def factory():
-        return load_model("Qwen/Qwen3-0.6B", weights=False, log=None).model
+        return load_model("Qwen/Qwen3-0.6B", weights=False, dtype="fp32", device="cuda", log=None).model
 
     spec = available_spec(*ALL_OPS)
     for dtype in ("bf16", "fp32"):
