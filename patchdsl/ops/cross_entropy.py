@@ -23,12 +23,16 @@ LOSS_FLAGS = (
              "sum; none: one loss per token", choices=("mean", "sum", "none")),
     FlagSpec("block", "int", "auto", "row block in elements (power of two); auto = by vocab size",
              auto_ok=True, min=16),
+    FlagSpec("programs_per_sm", "int", "auto",
+             "0: one program per row; k > 0: a persistent grid of k programs per SM walking the rows "
+             "(keeps the rows in flight in L2 between the two passes); auto = by row length", auto_ok=True, min=0),
 )
 
 INTERP_BLOCK = 1024          # the interpreter's row block cap (as rmsnorm.row_block)
 CUDA_SINGLE_MAX = 16384      # rows up to this long are done in one pass on the GPU
 CUDA_LOOP_BLOCK = 8192       # block of the looped variant on the GPU
 CUDA_LOOP_WARPS = 16
+CUDA_PERSISTENT = 2          # programs per SM for rows longer than one block on the GPU
 
 
 def num_tag(v: Any) -> str:
@@ -62,11 +66,15 @@ def loss_params(vocab: int, flags: Mapping[str, Any], dtype: str, target: str, s
                 logits_scaling: float | None) -> dict[str, Any]:
     block, single, warps = ce_block(vocab, flags, target)
     rows = 1 if target == "interpreter" or vocab > 2048 else (4 if vocab <= 512 else 2)
+    pps = flags.get("programs_per_sm", "auto")
+    if pps == "auto":
+        pps = CUDA_PERSISTENT if (target != "interpreter" and not single) else 0
     eps = float(flags.get("label_smoothing", 0.0) or 0.0)
     z = float(flags.get("z_loss", 0.0) or 0.0)
     return {
         "dtype": dtype, "vocab": int(vocab), "BLOCK": block, "single_pass": single,
         "n_tiles": -(-vocab // block), "num_warps": warps, "rows_per_program": rows,
+        "programs_per_sm": int(pps),
         "ignore_index": int(flags.get("ignore_index", -100)), "label_smoothing": eps, "z_loss": z,
         "softcap": softcap, "logits_scaling": logits_scaling, "reduction": flags.get("reduction", "mean"),
         "target": target, "tag": f"v{vocab}",

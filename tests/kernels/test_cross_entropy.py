@@ -68,6 +68,8 @@ FLAG_SETS = [
     {"reduction": "sum"},
     {"reduction": "none"},
     {"label_smoothing": 0.05, "softcap": 20.0, "z_loss": 1e-4, "reduction": "sum"},
+    {"programs_per_sm": 1},
+    {"block": 256, "softcap": 30.0, "reduction": "none"},
 ]
 
 
@@ -104,7 +106,7 @@ def test_modes(flags, dtype):
     xs = x.clone().requires_grad_()
     loss = mod.cross_entropy(xs, y)
     xr = x.detach().double().requires_grad_()
-    ref = reference(xr, y, **flags)
+    ref = reference(xr, y, **{k: v for k, v in flags.items() if k not in ("block", "programs_per_sm")})
     assert loss.shape == ref.shape
     go = _grad_output(ref, g).to(DEVICE)
     (ref * go).sum().backward()
@@ -231,6 +233,15 @@ def test_long_row_loops_online_logsumexp():
     # gpu: 151936 loops with the GPU block; 16384 is one pass there
     assert not _source(151936, target="cuda")[1]["single_pass"]
     assert _source(16384, target="cuda")[1]["single_pass"]
+
+
+def test_persistent_grid_variant():
+    per = _source(3000, programs_per_sm=1)[0]
+    assert "for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0))" in per
+    flat = _source(3000, programs_per_sm=0)[0]
+    assert "tl.num_programs" not in flat[flat.index("def ce_fwd_"):flat.index("def _n_sms")]
+    assert _source(151936, target="cuda")[1]["programs_per_sm"] > 0     # long rows on the GPU
+    assert _source(4096, target="cuda")[1]["programs_per_sm"] == 0      # one pass, one program per row
 
 
 def test_modes_are_compiled_in():

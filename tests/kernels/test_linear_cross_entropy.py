@@ -117,6 +117,7 @@ FLAG_SETS = [
     ({"accumulate": "weight"}, {}),
     ({"accumulate": "fp32"}, {}),
     ({"chunk": 7}, {}),
+    ({"programs_per_sm": 1, "block": 256}, {}),
     ({}, {"softcap": 30.0}),
     ({}, {"logits_scaling": 4.0}),
     ({"label_smoothing": 0.05, "z_loss": 1e-4, "reduction": "sum"}, {"softcap": 20.0}),
