@@ -324,7 +324,7 @@ class FusedAddRMSNorm(Op):
         return {
             "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
             "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
-            **row_launch(block, single, target), "target": target, "tag": f"h{hidden}",
+            **row_launch(hidden, block, single, target), "target": target, "tag": f"h{hidden}",
         }
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:

@@ -31,7 +31,7 @@ class FusedLayerNorm(Op):
         return {
             "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "bias": bool(f["bias"]),
             "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
-            **row_launch(block, single, target), "target": target, "tag": f"h{hidden}",
+            **row_launch(hidden, block, single, target), "target": target, "tag": f"h{hidden}",
         }
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:

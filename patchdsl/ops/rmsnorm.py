@@ -45,12 +45,21 @@ def rows_per_tile(block: int, single_pass: bool, target: str) -> int:
     return max(1, min(16, 4096 // block))
 
 
-def row_launch(block: int, single_pass: bool, target: str) -> dict[str, int]:
+def row_launch(hidden: int, block: int, single_pass: bool, target: str) -> dict[str, int]:
     """Launch shape of the row-norm kernels (forward tile rows and warps, backward the same plus
     programs per SM for the persistent dW-partial scheme)."""
     rows = rows_per_tile(block, single_pass, target)
     return {"ROWS": rows, "num_warps": row_warps(block), "BWD_ROWS": rows, "bwd_warps": row_warps(block),
-            "bwd_programs_per_sm": 4}
+            "bwd_programs_per_sm": 4, **partial_sum_launch(hidden, target)}
+
+
+def partial_sum_launch(hidden: int, target: str) -> dict[str, int]:
+    """Tile of the kernel adding up per-program fp32 partial rows (dW, dB): enough column blocks
+    that a few dozen programs share the (programs x hidden) reads on the GPU."""
+    hidden_p2 = next_pow2(hidden)
+    if target == "interpreter":
+        return {"SUM_BLOCK_C": min(hidden_p2, 1024), "SUM_BLOCK_P": 8}
+    return {"SUM_BLOCK_C": max(16, min(256, hidden_p2 // 32)), "SUM_BLOCK_P": 64}
 
 
 def resolve_auto(flags: Mapping[str, Any], name: str, detected: Any) -> Any:
@@ -87,7 +96,7 @@ class FusedRMSNorm(Op):
         return {
             "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
             "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
-            **row_launch(block, single, target), "target": target, "tag": f"h{hidden}",
+            **row_launch(hidden, block, single, target), "target": target, "tag": f"h{hidden}",
         }
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:

@@ -289,6 +289,25 @@ def test_gradient_checkpointing_still_recomputes():
         assert_close(p.grad, p_ref.grad, "fp32", f"grad {n}", factor=3)
 
 
+def test_autocast_mixed_dtypes():
+    """fp32 weights under bf16 autocast: attention returns bf16, the residual stream is fp32."""
+    ref = tiny_model("llama").to(DEVICE)
+    _randomise_norms(ref)
+    model = copy.deepcopy(ref)
+    _patch_layers(model)
+    ids = _ids()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        o_ref = ref(input_ids=ids, labels=ids)
+        o = model(input_ids=ids, labels=ids)
+    o_ref.loss.backward()
+    o.loss.backward()
+    assert o.logits.dtype == o_ref.logits.dtype
+    assert_close(o.logits, o_ref.logits, "bf16", "logits")
+    for (n, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+        assert p.grad.dtype == p_ref.grad.dtype
+        assert_close(p.grad, p_ref.grad, "bf16", f"grad {n}", factor=2)
+
+
 def test_covers_post_attention_layernorm():
     assert get_op(OP).covers == ("post_attention_layernorm",)
 

@@ -280,3 +280,29 @@ def test_unknown_cast_order_is_refused_unless_forced():
     assert reason and "cast order" in reason
     handle = patch_module(module, OP, casting="gemma")
     handle.undo()
+
+
+def test_fp32_weight_with_bf16_input_follows_hf_promotion():
+    """Mixed precision (fp32 master weight, bf16 activations): HF Llama/Qwen returns fp32 here."""
+    model = _tiny("qwen3")
+    norm = model.get_submodule("model.layers.0.input_layernorm").to(DEVICE)        # fp32 weight
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 5, 96, generator=g).to(DEVICE, torch.bfloat16)
+    dy = torch.randn(3, 5, 96, generator=g).to(DEVICE, torch.float32)
+
+    def run():
+        xi = x.clone().requires_grad_()
+        norm.weight.grad = None
+        y = norm(xi)
+        y.backward(dy)
+        return y.detach(), xi.grad, norm.weight.grad.clone()
+
+    ref = run()
+    with patch_module(norm, OP):
+        out = run()
+    assert out[0].dtype == ref[0].dtype == torch.float32
+    assert out[1].dtype == torch.bfloat16 and out[2].dtype == torch.float32
+    for o, r, what in zip(out, ref, ("y", "dx", "dw")):
+        assert_close(o, r, "bf16", what)
