@@ -427,7 +427,10 @@ def probe(module: Any, facts: dict, an: AttentionAnalysis, qk_ref: Callable, mod
     """
     import torch
 
-    key = (an.cls, mode, repr(sorted(facts.items())), getattr(module, "layer_idx", None))
+    # Layers of one class differ only by their layer type (sliding / full attention), so one
+    # probe per (class, mode, facts, layer type) is enough.
+    layer_kind = tuple(repr(getattr(module, a, None)) for a in ("layer_type", "is_sliding", "sliding_window"))
+    key = (an.cls, mode, repr(sorted(facts.items())), layer_kind)
     if key in _probe_cache:
         return _probe_cache[key]
     try:
