@@ -124,8 +124,10 @@ def run(argv: list[str]) -> int:
 
     if a.cmd == "summary":
         ops, e2e = _load(a.files)
+        if ops and not a.no_sweep and report.sweep_summary(ops):
+            print(report.sweep_summary(ops))
         if ops:
-            print(report.ops_summary(ops, sweep=not a.no_sweep))
+            print(report.ops_summary(ops))
         if e2e:
             print(report.e2e_summary(e2e))
         t = report.targets_summary(ops, e2e)
@@ -165,6 +167,8 @@ def run(argv: list[str]) -> int:
             from .plot import plot
 
             plot(doc, None, a.png or str(Path(path).with_suffix(".png")))
+        if report.sweep_summary(doc):
+            print(report.sweep_summary(doc))
         print(report.ops_summary(doc))
         t = report.targets_summary(doc, None)
         if t:

@@ -54,7 +54,9 @@ def _issue_cases(ops: dict) -> list[tuple[str, str]]:
     for r in ops.get("results", []):
         if r["group"] != "sweep" and (r["op"], r["label"]) not in out:
             out.append((r["op"], r["label"]))
-    return out
+    order = list(dict.fromkeys(r["op"] for r in ops.get("results", [])))
+    pos = {t: i for i, t in enumerate(out)}
+    return sorted(out, key=lambda t: (order.index(t[0]), pos[t]))
 
 
 def _bars(ax: Any, ops: dict, cases: list, field: str, invert: bool, title: str) -> None:
@@ -77,6 +79,8 @@ def _bars(ax: Any, ops: dict, cases: list, field: str, invert: bool, title: str)
                     ax.annotate(t, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
                                 fontsize=7)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.set_yscale("log")
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels([f"{o}\n{l}" for o, l in cases], fontsize=7)
     ax.set_title(title, fontsize=10)

@@ -68,7 +68,8 @@ def _err(r: dict) -> str:
     return s if r.get("correct") else s + " BAD"
 
 
-def ops_summary(doc: dict, sweep: bool = True) -> str:
+def ops_summary(doc: dict) -> str:
+    """The issue's shapes: every implementation, one row each."""
     env, ceil = doc.get("env", {}), doc.get("ceilings", {})
     copy = ceil.get("copy", {}).get("gbps")
     mm = ceil.get("matmul_bf16", {}).get("tflops")
@@ -88,6 +89,9 @@ def ops_summary(doc: dict, sweep: bool = True) -> str:
         if r["group"] == "sweep" or (r["op"], r["label"]) in seen:
             continue
         seen.append((r["op"], r["label"]))
+    op_order = list(dict.fromkeys(r["op"] for r in results))
+    pos = {t: i for i, t in enumerate(seen)}
+    seen = sorted(seen, key=lambda t: (op_order.index(t[0]), pos[t]))
     for op, label in seen:
         first = True
         for impl in ("patchdsl",) + PEERS:
@@ -114,7 +118,8 @@ def ops_summary(doc: dict, sweep: bool = True) -> str:
             tf = r.get("tflops", {}).get("fwd_bwd")
             util = f"{r['pct_matmul']['fwd_bwd']:.0f}%mm" if r.get("pct_matmul") else (f"{pc:.0f}%" if pc else "-")
             rows.append([name, shape, impl + (" (sync)" if r.get("host_sync") else ""),
-                         _ms(r.get("fwd_ms")), _ms(r.get("bwd_ms")), _ms(r.get("fwd_bwd_ms")), util,
+                         _ms(r.get("fwd_ms")), _ms(r.get("bwd_ms")) + ("d" if "bwd_derived" in r else ""),
+                         _ms(r.get("fwd_bwd_ms")), util,
                          _ms(r.get("floor_ms", {}).get("fwd_bwd")), _err(r),
                          _f(r["peak_bytes"] / MiB, ".0f") if r.get("peak_bytes") is not None else "-",
                          _f(r["extra_peak_bytes"] / MiB, ".0f") if r.get("extra_peak_bytes") is not None else "-",
@@ -126,33 +131,9 @@ def ops_summary(doc: dict, sweep: bool = True) -> str:
     out.append("f+b = forward+backward GPU time per call (CUDA-graph replay, L2-cold rotation); %copy = bytes moved "
                "(minimum) / time over the measured copy bandwidth (%mm: FLOPs over the matmul rate); floor = that "
                "minimum time; err = max rel. error of outputs and grads vs float64 (BAD > tol); extra = peak "
-               "minus outputs and grads; host us = CPU time to issue one forward; vs X = patchdsl f+b / X f+b.")
-    if sweep:
-        sw_ops = sorted({(r["op"], r["label"]) for r in results if r["group"] == "sweep"},
-                        key=lambda t: [x["op"] for x in results].index(t[0]))
-        if sw_ops:
-            rows = []
-            for op, label in sw_ops:
-                r = by.get((op, label, "patchdsl"))
-                peers = {p: by.get((op, label, p)) for p in PEERS}
-
-                def pms(p):
-                    x = peers.get(p)
-                    return x.get("fwd_bwd_ms") if x and x.get("status") == "ok" else None
-
-                if r is None or r.get("status") != "ok":
-                    st = "missing" if r is None else r["status"]
-                    rows.append([op, label, "patchdsl", st, "", "", _ms(pms("hf")), _ms(pms("compile")),
-                                 _ms(pms("liger")), "", "", ""])
-                    continue
-                pc = r.get("pct_copy", {}).get("fwd_bwd")
-                pf = r.get("fwd_bwd_ms")
-                rows.append([op, label, "patchdsl", _ms(pf), f"{pc:.0f}%" if pc else "-", _err(r),
-                             _ms(pms("hf")), _ms(pms("compile")), _ms(pms("liger")),
-                             _ratio(pf, pms("hf")), _ratio(pf, pms("compile")), _ratio(pf, pms("liger"))])
-            out.append("-- sweep (fwd+bwd ms) --")
-            out.append(_table(rows, ["op", "shape", "impl", "f+b ms", "%copy", "err", "hf", "compile", "liger",
-                                     "vs hf", "vs comp", "vs liger"]))
+               "minus outputs and grads; host us = CPU time to issue one forward; vs X = patchdsl f+b / X f+b; "
+               "bwd d = derived as f+b - fwd (a backward that consumes its buffers cannot be replayed alone); "
+               "(sync) = the call synchronises with the host, timed with events around eager calls.")
     counts: dict[str, int] = {}
     for r in results:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -232,9 +213,11 @@ def e2e_summary(doc: dict) -> str:
         return head + "\n" + doc["error"]
     hf = next((v for v in doc.get("variants", []) if v["variant"] == "hf" and v.get("status") == "ok"), None)
     rows = []
+    notes = []
     for v in doc.get("variants", []):
         if v.get("status") != "ok":
-            rows.append([v["variant"], f"{v['status']}: {str(v.get('error', ''))[:100]}", "", "", "", "", "", ""])
+            notes.append(f"  [{len(notes) + 1}] {v['variant']}: {v['status']}: {str(v.get('error', ''))[:200]}")
+            rows.append([v["variant"], f"[{len(notes)}] {v['status']}", "", "", "", "", "", ""])
             continue
         ls = v.get("losses", [])
         d = doc.get("loss_agreement", {}).get(v["variant"], {})
@@ -247,4 +230,33 @@ def e2e_summary(doc: dict) -> str:
             rows.append(["", f"dropped: {len(v.get('dropped_rules', []))} rule(s); refused: {len(v.get('refused', []))}",
                          "", "", "", "", "", ""])
     return "\n".join([head, _table(rows, ["variant", "tokens/s", "step ms", "peak GiB", "micro", "losses (first 3)",
-                                          "max|dloss|", "vs hf"])])
+                                          "max|dloss|", "vs hf"])] + notes)
+
+
+def sweep_summary(doc: dict) -> str:
+    """The sweep shapes: patchdsl's fwd+bwd time against each peer's."""
+    results = doc.get("results", [])
+    by = {(r["op"], r["label"], r["impl"]): r for r in results}
+    order = [x["op"] for x in results]
+    sw = sorted({(r["op"], r["label"]) for r in results if r["group"] == "sweep"},
+                key=lambda t: (order.index(t[0]), t[1]))
+    if not sw:
+        return ""
+    rows = []
+    for op, label in sw:
+        r = by.get((op, label, "patchdsl"))
+
+        def pms(p, op=op, label=label):
+            x = by.get((op, label, p))
+            return x.get("fwd_bwd_ms") if x and x.get("status") == "ok" else None
+
+        if r is None or r.get("status") != "ok":
+            rows.append([op, label, "missing" if r is None else r["status"], "", "", _ms(pms("hf")),
+                         _ms(pms("compile")), _ms(pms("liger")), "", "", ""])
+            continue
+        pc = r.get("pct_copy", {}).get("fwd_bwd")
+        pf = r.get("fwd_bwd_ms")
+        rows.append([op, label, _ms(pf), f"{pc:.0f}%" if pc else "-", _err(r), _ms(pms("hf")), _ms(pms("compile")),
+                     _ms(pms("liger")), _ratio(pf, pms("hf")), _ratio(pf, pms("compile")), _ratio(pf, pms("liger"))])
+    return "-- sweep: fwd+bwd ms, patchdsl vs peers --\n" + _table(
+        rows, ["op", "shape", "patchdsl", "%copy", "err", "hf", "compile", "liger", "vs hf", "vs comp", "vs liger"])

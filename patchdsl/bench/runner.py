@@ -295,7 +295,7 @@ def run_unit(fam: Family, group: str, shape: dict, impl: str, ctx: Context) -> d
             timing.sync(dev)
         sync_msg = timing.makes_host_sync(fb_calls[0], dev)
         rec["host_sync"] = sync_msg
-        method_note = None
+        method_notes: list[str] = []
 
         times: dict[str, timing.Timed] = {}
         errors: dict[str, str] = {}
@@ -322,8 +322,10 @@ def run_unit(fam: Family, group: str, shape: dict, impl: str, ctx: Context) -> d
                         t = timing.time_graph(g, len(calls), o.target_ms)
                         del g, keep
                     except Exception as e:   # not capturable: time this mode with events, say why
-                        method_note = f"{mode}: graph capture failed ({_short(e)}); timed eagerly with events"
-                        torch.cuda.synchronize()
+                        method_notes.append(f"{mode}: graph capture failed ({_short(e)}); timed eagerly with events")
+                        _check_context(ctx)
+                        if ctx.broken:
+                            raise
                         _cleanup(dev)
                 if t is None:
                     if prepare is not None:
@@ -339,15 +341,15 @@ def run_unit(fam: Family, group: str, shape: dict, impl: str, ctx: Context) -> d
                 if ctx.broken:
                     raise
             bwd_outs.clear()
-            _cleanup(dev)
+            timing.sync(dev)
         if "bwd" not in times and "fwd" in times and "fwd_bwd" in times:
             # e.g. a backward that consumes its saved buffers cannot be replayed: bwd = (fwd+bwd) - fwd
             f, fb = times["fwd"], times["fwd_bwd"]
             times["bwd"] = timing.Timed(max(0.0, fb.ms - f.ms), max(0.0, fb.p20 - f.p80), max(0.0, fb.p80 - f.p20),
                                         "derived: fwd_bwd - fwd", min(f.reps, fb.reps))
             rec["bwd_derived"] = errors.pop("bwd", "")
-        if method_note:
-            rec["timing_note"] = method_note
+        if method_notes:
+            rec["timing_notes"] = method_notes
         rec["timing_method"] = sorted({t.method for t in times.values()})
         for mode, t in times.items():
             rec[f"{mode}_ms"] = t.ms
@@ -510,12 +512,18 @@ def units(opts: Options) -> list[tuple[Family, str, dict, str]]:
     out = []
     for group in opts.groups:
         plain, comp = [], []
-        for fam in fams.values():
-            for shape in fam.shapes(group):
+        # round robin over the families (first shape of each, then the second...), so that a run cut
+        # short by its time budget still covers every op
+        n = max([len(f.shapes(group)) for f in fams.values()] + [0])
+        for i in range(n):
+            for fam in fams.values():
+                shapes = fam.shapes(group)
+                if i >= len(shapes):
+                    continue
                 for impl in ("patchdsl",) + fam.peers:
                     if impl not in opts.impls:
                         continue
-                    (comp if impl == "compile" else plain).append((fam, group, shape, impl))
+                    (comp if impl == "compile" else plain).append((fam, group, shapes[i], impl))
         out += plain
         if group != "sweep" or opts.compile_sweep:
             out += comp
