@@ -17,8 +17,8 @@ OUT=${OUT:-$ROOT/bench/results/run-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 LOG=$OUT/bench.log
 : >"$LOG"
-T_TESTS=${T_TESTS:-150}
-T_OPS=${T_OPS:-250}
+T_TESTS=${T_TESTS:-120}
+T_OPS=${T_OPS:-270}
 T_E2E=${T_E2E:-130}
 PARTS=${*:-all}
 case " $PARTS " in *" all "*) PARTS="tests ops e2e" ;; esac
@@ -83,7 +83,7 @@ for part in $PARTS; do
       ;;
     e2e)
       run_part e2e "$T_E2E" python3 -m patchdsl.cli bench e2e --json "$OUT/e2e.json" --no-png \
-        --budget $(( T_E2E - 50 )) ${E2E_ARGS:-}
+        --budget $(( T_E2E - 35 )) ${E2E_ARGS:-}
       ;;
     *) say "unknown part '$part' (use: all tests ops issue sweep e2e)" ;;
   esac

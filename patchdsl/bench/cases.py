@@ -521,9 +521,11 @@ class RopeFamily(Family):
                 "k": _randn(g, (b, s, hk, d), device, dt).requires_grad_()}
 
     def make_dys(self, shape, dtype, device, g):
+        # (batch, heads, seq, dim) views of (batch, seq, heads, dim) memory: the layout in which
+        # sdpa's backward hands back the gradient of a transposed q/k (empty_like keeps strides).
         b, s, hq, hk, d = self._dims(shape)
         dt = torch_dtype(dtype)
-        return [_randn(g, (b, hq, s, d), device, dt), _randn(g, (b, hk, s, d), device, dt)]
+        return [_randn(g, (b, s, hq, d), device, dt).transpose(1, 2), _randn(g, (b, s, hk, d), device, dt).transpose(1, 2)]
 
     def ref_forward(self, p, a):
         return _rope64(a["q"].transpose(1, 2), a["k"].transpose(1, 2), p["cos"], p["sin"])

@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--compile-sweep", action="store_true", help="torch.compile at the sweep shapes too")
     o.add_argument("--compile-backend", default="inductor")
     o.add_argument("--budget", type=float, default=1e9, help="seconds; units not started by then are skipped")
-    o.add_argument("--target-ms", type=float, default=150.0, help="timed replays per measurement, in ms")
+    o.add_argument("--target-ms", type=float, default=100.0, help="timed replays per measurement, in ms")
     o.add_argument("--seed", type=int, default=1234)
     o.add_argument("--quiet", action="store_true")
 

@@ -40,7 +40,7 @@ class Options:
     budget_s: float = 1e9
     compile_sweep: bool = False
     compile_backend: str = "inductor"
-    target_ms: float = 150.0
+    target_ms: float = 100.0
     l2_multiple: float = 4.0
     max_rotations: int = 32
     rotation_mem_cap: int = 12 << 30
@@ -460,7 +460,7 @@ def environment(device: str) -> dict[str, Any]:
         "device": device, "hostname": platform.node(),
     }
     if timing.is_cuda(device):
-        p = torch.cuda.get_device_properties(torch.device(device))
+        p = torch.cuda.get_device_properties(timing.device_index(device))
         env.update({"gpu": p.name, "sm_count": p.multi_processor_count, "gpu_mem_bytes": p.total_memory,
                     "l2_bytes": getattr(p, "L2_cache_size", None), "cuda": torch.version.cuda})
     try:
@@ -565,8 +565,9 @@ def run_ops(opts: Options, on_result: Callable[[dict], None] | None = None) -> d
     if timing.is_cuda(opts.device):
         import torch
 
-        torch.cuda.set_device(torch.device(opts.device))
-        p = torch.cuda.get_device_properties(torch.device(opts.device))
+        idx = timing.device_index(opts.device)
+        torch.cuda.set_device(idx)
+        p = torch.cuda.get_device_properties(idx)
         ctx.l2_bytes = int(getattr(p, "L2_cache_size", 0) or (60 << 20))
         try:
             import torch._dynamo

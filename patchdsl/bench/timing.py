@@ -29,6 +29,14 @@ def is_cuda(device: Any) -> bool:
     return str(device).startswith("cuda")
 
 
+def device_index(device: Any) -> int:
+    """The CUDA device index of ``device`` ("cuda" alone means the current device)."""
+    import torch
+
+    d = torch.device(device)
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
 def sync(device: Any) -> None:
     if is_cuda(device):
         import torch
@@ -108,9 +116,14 @@ def capture_graph(calls: Sequence[Callable[[], Any]], stream: Any, prepare: Call
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     keep: list[Any] = []
-    with torch.cuda.graph(g, stream=stream):
-        for c in calls:
-            keep.append(c())
+    # What torch.cuda.graph() does, minus its gc.collect() (slow with a large heap, once per capture).
+    with torch.cuda.stream(stream):
+        g.capture_begin()
+        try:
+            for c in calls:
+                keep.append(c())
+        finally:
+            g.capture_end()
     torch.cuda.synchronize()
     return g, keep
 
