@@ -261,27 +261,28 @@ def run_e2e(o: E2EOptions) -> dict[str, Any]:
         tv = time.perf_counter()
         while True:
             model = None
+            oom = None
             try:
                 model, _ = build_model(o)
                 model.load_state_dict(snapshot)
                 model, info = _prepare(variant, model, o)
                 rec.update(info)
                 rec.update(train(model, batches, o, micro))
-                break
             except torch.cuda.OutOfMemoryError as e:
-                del model
-                _free(o.device)
-                if micro <= 1:
-                    rec.update(status="error", error=f"out of memory even at micro-batch 1: {str(e).splitlines()[0]}")
-                    break
-                micro = max(1, micro // 2)
-                _log(o, t0, f"{variant}: out of memory; retrying with micro-batch {micro}")
-                if variant == "liger":   # liger's global patch is already in place; a fresh model still gets it
-                    pass
+                oom = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
             except Exception as e:
                 rec.update(status="error", error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:500],
                            traceback=traceback.format_exc(limit=8)[-3000:])
+            if oom is None:
                 break
+            model = None          # the exception (and the activations its frames held) is gone here
+            _free(o.device)
+            if micro <= 1:
+                rec.update(status="error", error=f"out of memory even at micro-batch 1: {oom}")
+                break
+            micro = max(1, micro // 2)
+            rec.setdefault("oom_retries", []).append(oom[:200])
+            _log(o, t0, f"{variant}: out of memory; retrying with micro-batch {micro}")
         model = None
         _free(o.device)
         rec["variant_s"] = time.perf_counter() - tv
