@@ -7,7 +7,7 @@
 #
 # Each part runs under its own timeout (T_TESTS, T_OPS, T_E2E seconds; defaults sum to ~9 min),
 # never stops the others, and writes under $OUT (default bench/results/run-<date>):
-#   bench.log  tests.log  ops.json  e2e.json  bench.png  summary.txt
+#   bench.log  tests.log  ops.json (ops_sweep.json for the part "sweep")  e2e.json  bench.png  summary.txt
 # The compact summary is printed LAST.  The wheels in .whl/ (lark, liger-kernel,
 # cut-cross-entropy) must travel with the call (carry ".whl").
 set -u
@@ -77,8 +77,8 @@ for part in $PARTS; do
       status+=("tests: $what: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -n 1)")
       ;;
     ops|issue|sweep)
-      sel=""; [ "$part" = issue ] && sel="--no-sweep"; [ "$part" = sweep ] && sel="--sweep-only"
-      run_part "$part" "$T_OPS" python3 -m patchdsl.cli bench ops --json "$OUT/ops.json" --no-png \
+      sel=""; name=ops; [ "$part" = issue ] && sel="--no-sweep"; [ "$part" = sweep ] && sel="--sweep-only" && name=ops_sweep
+      run_part "$part" "$T_OPS" python3 -m patchdsl.cli bench ops --json "$OUT/$name.json" --no-png \
         --budget $(( T_OPS - 45 )) $sel ${OPS_ARGS:-}
       ;;
     e2e)
@@ -91,6 +91,7 @@ done
 
 files=()
 [ -f "$OUT/ops.json" ] && files+=("$OUT/ops.json")
+[ -f "$OUT/ops_sweep.json" ] && files+=("$OUT/ops_sweep.json")
 [ -f "$OUT/e2e.json" ] && files+=("$OUT/e2e.json")
 if [ ${#files[@]} -gt 0 ]; then
   python3 -m patchdsl.cli bench plot "${files[@]}" --png "$OUT/bench.png" >>"$LOG" 2>&1

@@ -330,3 +330,15 @@ def test_filtered_spec_drops_unregistered_ops(tmp_path):
     assert dropped == ["*.mlp: SwiGLU -> fused_not_there"]
     assert "-> fused_rmsnorm" in text and where == str(p)
     assert "# (not registered yet) *.mlp" in text
+
+
+def test_summary_merges_two_ops_files(ops_doc, tmp_path, capsys):
+    from patchdsl.bench.cli import run
+
+    doc, path = ops_doc
+    other = dict(doc, results=[dict(r, group="sweep") for r in doc["results"] if r["op"] == "rmsnorm"])
+    p2 = tmp_path / "ops_sweep.json"
+    p2.write_text(json.dumps(other))
+    assert run(["summary", str(path), str(p2)]) == 0
+    out = capsys.readouterr().out
+    assert "-- sweep" in out and "== ops" in out and "== targets" in out

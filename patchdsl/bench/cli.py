@@ -103,7 +103,13 @@ def _load(files: list[str]) -> tuple[dict | None, dict | None]:
             print(f"cannot read {f}: {ex}", file=sys.stderr)
             continue
         if d.get("kind") == "patchdsl-bench-ops":
-            ops = d
+            if ops is None:
+                ops = d
+            else:       # e.g. the issue shapes and the sweep from two runs: one table
+                ops = dict(ops, results=ops.get("results", []) + d.get("results", []),
+                           comparisons=ops.get("comparisons", []) + d.get("comparisons", []),
+                           complete=bool(ops.get("complete")) and bool(d.get("complete")),
+                           elapsed_s=ops.get("elapsed_s", 0) + d.get("elapsed_s", 0))
         elif d.get("kind") == "patchdsl-bench-e2e":
             e2e = d
         else:
