@@ -382,3 +382,29 @@ def test_a_different_forward_is_refused():
     assert "returns tuple" in _reason(ReturnsATuple(cfg, 0))
     assert "is not (self, hidden_states" in _reason(VarArgs(cfg, 0))
     assert _reason(LlamaDecoderLayer(cfg, 0)) is None
+
+
+def _kernel_globals_are_constexpr(mod):
+    """Compiled Triton reads module globals only as tl.constexpr (the interpreter does not care),
+    so check every global a @triton.jit function uses."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    kinds = ("JITFunction", "InterpretedFunction")
+    jitted = {n: v for n, v in vars(mod).items() if type(v).__name__ in kinds and hasattr(v, "fn")}
+    assert len(jitted) >= 3
+    for name, fn in jitted.items():
+        for g in fn.fn.__code__.co_names:
+            if g not in vars(mod):
+                continue
+            v = vars(mod)[g]
+            assert isinstance(v, (tl.constexpr, types.ModuleType)) or type(v).__name__ in kinds, \
+                f"{name} reads global {g} = {v!r}, which is not a tl.constexpr"
+
+
+@pytest.mark.parametrize("hidden", [1024, 1000, 2500])
+def test_kernel_globals_are_constexpr(hidden):
+    for offset, casting in VARIANTS:
+        _kernel_globals_are_constexpr(kernel_for(OP, "DecoderLayer", _facts(hidden, 1e-6, offset, casting), "bf16"))
