@@ -9,6 +9,7 @@
 Heavy modules (torch, triton, transformers) are imported on first use.
 """
 
+from . import _interp  # noqa: F401  (must run before anything imports triton)
 from ._version import __version__
 from .syntax import SpecError, load_spec, parse_spec
 

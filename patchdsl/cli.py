@@ -25,7 +25,10 @@ class UsageFailure(Exception):
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    c = Console(stderr=stderr, highlight=False)
+    if not c.is_terminal:
+        c = Console(stderr=stderr, highlight=False, width=160)
+    return c
 
 
 def _fail(msg: str) -> None:

@@ -25,10 +25,17 @@ def target() -> str:
 
 def ensure_triton():
     """Import triton, switching on its interpreter first when there is no GPU."""
-    if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
+    if os.environ.get("TRITON_INTERPRET") is None:
         import torch
 
+        # Triton reads the variable when a function is decorated with @triton.jit, so setting it
+        # here works even if triton itself was imported earlier (transformers may import it):
+        # generated modules are imported after this call.
         if not torch.cuda.is_available():
+            if "triton" in sys.modules:
+                raise RuntimeError(
+                    "triton was imported before patchdsl could switch on its interpreter (there is no GPU "
+                    "here): import patchdsl first, or set TRITON_INTERPRET=1 in the environment")
             os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
