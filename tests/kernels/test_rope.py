@@ -483,3 +483,22 @@ def test_flags_are_typed():
     with pytest.raises(ValueError):
         spec.coerce("big")
     assert re.search(r"auto", spec.doc)
+
+
+@pytest.mark.parametrize("op_name", ["fused_rope", "fused_qk_norm_rope"])
+@pytest.mark.parametrize("r", [64, 48])
+def test_kernel_globals_are_constexpr(op_name, r):
+    """Compiled Triton only lets a @jit function read module globals that are tl.constexpr (the
+    interpreter does not check), so catch a plain global on the CPU."""
+    import triton.language as tl
+
+    f = dict(facts(64, r, 6, 2), qk_norm={"eps": 1e-6, "offset": 1.0, "casting": "gemma"})
+    mod = kernel_for(op_name, "Attention", f, "bf16", {"block": 64, "tokens_per_program": 2})
+    jitted = [v for v in vars(mod).values()
+              if type(v).__name__ in ("JITFunction", "InterpretedFunction") and hasattr(v, "fn")]
+    assert len(jitted) == 2
+    for fn in jitted:
+        for name in fn.fn.__code__.co_names:
+            if name in vars(mod):
+                v = vars(mod)[name]
+                assert isinstance(v, (tl.constexpr, types.ModuleType)), f"{fn.fn.__name__} reads plain global {name}"
