@@ -237,6 +237,12 @@ def test_float64_mode_keeps_reference_in_float64():
             assert torch.ones(2, dtype=torch.float64).float().dtype == torch.float64
             assert torch.arange(3).float().dtype == torch.float32      # non-float64 tensors unaffected
             assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
+            # float64 @ float32 does not promote in torch: the mode widens the other operand
+            # (transformers 5.17's RoPE: inv_freq.float() @ position_ids.float())
+            assert (x @ torch.arange(48).float()).dtype == torch.float64
+            t = torch.zeros(48)
+            t.add_(x[0])                      # an in-place target keeps its dtype
+            assert t.dtype == torch.float32
     assert (plain - exact).abs().max() > 1e-9          # HF's own path is only fp32-accurate
     assert (kept - exact).abs().max() < 1e-13
 

@@ -10,7 +10,9 @@ there, so its error would read as 0).
 :class:`Float64Mode` is a ``TorchFunctionMode`` active only while the reference model runs
 forward: a cast of a float64 tensor to a narrower float type returns the float64 tensor, and a
 ``dtype=`` argument asking for a narrower float is widened to float64 when one of the inputs is
-float64.  Nothing else changes: integer casts, device moves, and tensors that are not float64
+float64, and so are narrower float operands of such a call (``float64 @ float32`` does not
+promote: transformers 5.17's RoPE computes ``inv_freq.float() @ position_ids.float()``).
+Nothing else changes: integer casts, device moves, and tensors that are not float64
 (e.g. ``position_ids.float()``) behave as usual.
 """
 
@@ -33,6 +35,16 @@ def _has_f64(obj: Any, depth: int = 0) -> bool:
     if depth < 2 and isinstance(obj, (tuple, list)):
         return any(_has_f64(o, depth + 1) for o in obj)
     return False
+
+
+def _widen(obj: Any, depth: int = 0) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(torch.float64) if obj.dtype in _narrow_floats() else obj
+    if depth < 2 and isinstance(obj, (tuple, list)):
+        return type(obj)(_widen(o, depth + 1) for o in obj)
+    return obj
 
 
 def float64_mode():
@@ -68,8 +80,13 @@ def float64_mode():
                     args = tuple(new_args)
                     if kwargs.get("dtype") in narrow:
                         kwargs["dtype"] = f64
-            elif kwargs.get("dtype") in narrow and (_has_f64(args) or any(_has_f64(v) for v in kwargs.values())):
-                kwargs["dtype"] = f64
+            elif _has_f64(args) or any(_has_f64(v) for v in kwargs.values()):
+                if kwargs.get("dtype") in narrow:
+                    kwargs["dtype"] = f64
+                # ops that do not promote (float64 @ float32 is an error) get float64 operands;
+                # the target of an in-place op or of ``out=`` is left alone
+                inplace = getattr(func, "__name__", "").endswith("_") or "out" in kwargs
+                args = tuple(a if (i == 0 and inplace) else _widen(a) for i, a in enumerate(args))
             return func(*args, **kwargs)
 
     return Float64Mode()
