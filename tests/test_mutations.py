@@ -256,7 +256,7 @@ ALL_MUTATIONS = [
              (Edit(r"if label == IGNORE_INDEX:", "if label == IGNORE_INDEX + 1:", CE_ROW),),
              expect=("loss", "grad_input", "grad_weight")),
     Mutation("fused_cross_entropy", "padding_in_logsumexp",
-             (Edit(r"^\s*z = tl\.where\(msk, z, float\(\"-inf\"\)\)\n", "", CE_ROW),), expect=("loss",)),
+             (Edit(r"^(\s*)(\w+) = tl\.where\(msk, z, float\(\"-inf\"\)\)$", r"\1\2 = z", CE_ROW),), expect=("loss",)),
     Mutation("fused_cross_entropy", "label_grad_sign",
              (Edit(r"g - 1\.0", "g + 1.0", CE_ROW),), expect=("grad_input", "grad_weight")),
     # ---- fused_linear_cross_entropy (24 rows in chunks of 16: two chunks)
