@@ -20,6 +20,7 @@ from patchdsl.runtime import PatchError, apply, patch_module
 from patchdsl.runtime.patch import kernel_getter
 
 from .families import tiny_model
+from .kernels.helpers import DEVICE, TARGET
 
 FAMILIES = ["qwen3", "llama", "gemma3"]
 FLCE = "fused_linear_cross_entropy"
@@ -33,11 +34,11 @@ def batch(b=2, s=9, seed=0, ignore=True):
     labels = ids.clone()
     if ignore:
         labels[0, :3] = -100           # a masked prompt
-    return ids, labels
+    return ids.to(DEVICE), labels.to(DEVICE)
 
 
 def pair(family, dtype=torch.float32, **over):
-    ref = tiny_model(family, dtype=dtype, **over)
+    ref = tiny_model(family, dtype=dtype, **over).to(DEVICE)
     pat = copy.deepcopy(ref)
     ref.train(), pat.train()
     return ref, pat
@@ -84,7 +85,7 @@ def test_num_items_in_batch(family):
     ref, pat = pair(family)
     patch(pat)
     ids, labels = batch(seed=1)
-    n = torch.tensor(23)
+    n = torch.tensor(23, device=DEVICE)
     assert_same_step(ref(input_ids=ids, labels=labels, num_items_in_batch=n),
                      pat(input_ids=ids, labels=labels, num_items_in_batch=n), ref, pat)
 
@@ -196,7 +197,7 @@ def test_granite_logits_scaling_is_handled():
                                max_position_embeddings=64, logits_scaling=4.0, embedding_multiplier=2.0,
                                residual_multiplier=0.5, attention_multiplier=0.25)
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(DEVICE)
     pat = copy.deepcopy(ref)
     ref.train(), pat.train()
     h = patch(pat)
@@ -232,8 +233,9 @@ def test_fused_cross_entropy_replaces_only_the_loss_function(family):
     h = patch(pat, CE)
     assert "_loss_function" in pat.__dict__ and "forward" not in pat.__dict__
     ids, labels = batch(seed=12)
-    out, ref_out = pat(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(11)), \
-        ref(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(11))
+    n = torch.tensor(11, device=DEVICE)
+    out, ref_out = pat(input_ids=ids, labels=labels, num_items_in_batch=n), \
+        ref(input_ids=ids, labels=labels, num_items_in_batch=n)
     assert torch.equal(out.logits, ref_out.logits)
     assert_same_step(ref_out, out, ref, pat)
     h.undo()
@@ -248,7 +250,7 @@ def test_fused_cross_entropy_forward_fallback_mode():
     op = get_op(CE)
     info = build_index(pat).infos[""]
     flags = op.default_flags()
-    kernels = kernel_getter(op, info, flags, "interpreter" if not torch.cuda.is_available() else "cuda")
+    kernels = kernel_getter(op, info, flags, TARGET)
     for obj, attr, val in loss_path.install_forward(pat, kernels, flags, "logits"):
         setattr(obj, attr, val)
     ids, labels = batch(seed=13)
