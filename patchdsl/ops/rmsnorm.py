@@ -49,7 +49,10 @@ def row_launch(hidden: int, block: int, single_pass: bool, target: str) -> dict[
     """Launch shape of the row-norm kernels (forward tile rows and warps, backward the same plus
     programs per SM for the persistent dW-partial scheme)."""
     rows = rows_per_tile(block, single_pass, target)
-    return {"ROWS": rows, "num_warps": row_warps(block), "BWD_ROWS": rows, "bwd_warps": row_warps(block),
+    # Measured on an H200 (RMSNorm 16384x1024 bf16): forward warps sized to the whole
+    # [ROWS, BLOCK] tile (4 rows x 1024 -> 4 warps: 19.2 us vs 20.3 us with 2), backward warps to
+    # one row (2 warps, 4 programs per SM: 36.5 us, the best of the configurations tried).
+    return {"ROWS": rows, "num_warps": row_warps(rows * block), "BWD_ROWS": rows, "bwd_warps": row_warps(block),
             "bwd_programs_per_sm": 4, **partial_sum_launch(hidden, target)}
 
 
@@ -59,7 +62,8 @@ def partial_sum_launch(hidden: int, target: str) -> dict[str, int]:
     hidden_p2 = next_pow2(hidden)
     if target == "interpreter":
         return {"SUM_BLOCK_C": min(hidden_p2, 1024), "SUM_BLOCK_P": 8}
-    return {"SUM_BLOCK_C": max(16, min(256, hidden_p2 // 32)), "SUM_BLOCK_P": 64}
+    # 1024 -> 16 columns, 64 programs (H200: 3 us less than 32 columns, 32 programs)
+    return {"SUM_BLOCK_C": max(16, min(256, hidden_p2 // 64)), "SUM_BLOCK_P": 64}
 
 
 def resolve_auto(flags: Mapping[str, Any], name: str, detected: Any) -> Any:

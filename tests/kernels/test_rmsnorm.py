@@ -181,8 +181,9 @@ def test_modes_change_the_code():
     assert ".to(tl.bfloat16)" not in _kernels_text(gemma)
     assert "(w + 1.0)" in _kernels_text(gemma1) and "(w + 1.0)" not in _kernels_text(gemma)
     assert name == "fused_rmsnorm_bf16_h1024_gemma_off1_cuda"
-    # the GPU path carries no interpreter work-arounds and processes several short rows per program
-    assert "ROWS = 1\n" not in llama
+    # short rows: the GPU kernels normalise a tile of several rows per program
+    assert "ROWS = tl.constexpr(4)" in llama
+    assert "ROWS = tl.constexpr(1)" in _source(4096, "cuda")[1]
 
 
 def test_block_flag_forces_the_loop():
