@@ -50,11 +50,7 @@ def _load() -> None:
     _loaded = True
     importlib.import_module("patchdsl.ops.kinds")
     for m in OP_MODULES:
-        try:
-            importlib.import_module(f"patchdsl.ops.{m}")
-        except ModuleNotFoundError as e:  # an op module not written yet must not break the rest
-            if e.name != f"patchdsl.ops.{m}":
-                raise
+        importlib.import_module(f"patchdsl.ops.{m}")
 
 
 def ops() -> dict[str, Op]:
