@@ -191,6 +191,21 @@ def test_bf16_model_matches_hf_within_bf16_tolerance():
         assert rel <= 3e-2, (n, rel.item())
 
 
+def test_autocast_runs_the_head_in_the_autocast_dtype():
+    ref, pat = pair("llama")
+    patch(pat)
+    ids, labels = batch(seed=14)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out, ref_out = pat(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert abs(out.loss.item() - ref_out.loss.item()) <= 1e-2 * abs(ref_out.loss.item())
+    out.loss.backward(), ref_out.loss.backward()
+    gp, gr = grads(pat), grads(ref)
+    assert pat.lm_head.weight.grad.dtype == torch.float32
+    for n in gr:
+        rel = (gp[n] - gr[n]).norm() / gr[n].norm().clamp_min(1e-12)
+        assert rel <= 3e-2, (n, rel.item())
+
+
 def test_granite_logits_scaling_is_handled():
     cfg = AutoConfig.for_model("granite", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,

@@ -44,7 +44,9 @@ from .kinds import linear_like, unwrap
 # What the patched forward may see the original forward read from ``self`` / ``self.config``.
 SELF_ATTRS = {"model", "lm_head", "loss_function", "config", "vocab_size", "training"}
 CONFIG_ATTRS = {"vocab_size", "final_logit_softcapping", "logits_scaling", "use_return_dict", "return_dict",
-                "output_attentions", "output_hidden_states", "use_cache"}
+                "output_attentions", "output_hidden_states", "use_cache",
+                # read only for warnings by some transformers versions' forwards
+                "_attn_implementation", "rope_scaling", "original_max_position_embeddings"}
 SUPPORTED_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
 
 
@@ -331,8 +333,13 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
         num_items = extra.get("num_items_in_batch")
         if mode == "linear":
             logits = None
-            loss = kernels(lm.weight.dtype).linear_cross_entropy(
-                hidden, lm.weight, lm.bias, shift, num_items)
+            w, b = lm.weight, lm.bias
+            dev = hidden.device.type
+            if torch.is_autocast_enabled(dev):          # lm_head(...) would run in the autocast dtype
+                dt = torch.get_autocast_dtype(dev)
+                w = w.to(dt)
+                b = b.to(dt) if b is not None else None
+            loss = kernels(w.dtype).linear_cross_entropy(hidden, w, b, shift, num_items)
         else:
             logits = _apply_head_post(self.lm_head(hidden), self.config, shape)
             loss = kernels(logits.dtype).cross_entropy(logits.reshape(-1, logits.shape[-1]), shift.reshape(-1),
