@@ -243,3 +243,11 @@ def _kernel_globals_are_constexpr(mod):
 @pytest.mark.parametrize("bias", [True, False])
 def test_kernel_globals_are_constexpr(hidden, bias):
     _kernel_globals_are_constexpr(kernel_for(OP, "LayerNorm", {"hidden": hidden, "eps": 1e-5, "bias": bias}, "bf16"))
+
+
+def test_cuda_variants_compile_for_sm90(tmp_path):
+    from .norm_compile import compile_for_sm90
+
+    cases = [({"hidden": h, "eps": 1e-5, "bias": b}, dt)
+             for h, b, dt in ((1024, True, "bf16"), (1000, False, "fp16"), (20000, True, "fp32"), (20000, False, "bf16"))]
+    assert compile_for_sm90(tmp_path, OP, "LayerNorm", cases) == 3 * len(cases)

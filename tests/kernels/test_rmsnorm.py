@@ -333,3 +333,12 @@ def _kernel_globals_are_constexpr(mod):
 def test_kernel_globals_are_constexpr(hidden):
     for offset, casting in VARIANTS:
         _kernel_globals_are_constexpr(kernel_for(OP, "RMSNorm", _facts(hidden, 1e-6, offset, casting), "bf16"))
+
+
+def test_cuda_variants_compile_for_sm90(tmp_path):
+    from .norm_compile import compile_for_sm90
+
+    cases = [(_facts(1024, 1e-6, 0.0, "llama"), "bf16"), (_facts(1000, 1e-6, 1.0, "gemma"), "fp16"),
+             (_facts(4096, 1e-6, 0.0, "llama"), "fp32"), (_facts(20000, 1e-6, 1.0, "llama"), "bf16"),
+             (_facts(128, 1e-6, 0.0, "gemma"), "bf16")]
+    assert compile_for_sm90(tmp_path, OP, "RMSNorm", cases) == 3 * len(cases)
