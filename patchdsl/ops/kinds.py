@@ -62,7 +62,9 @@ def _stand_in(m: Any, **params):
     clone = m.__class__.__new__(m.__class__)
     d = dict(m.__dict__)
     d.pop("forward", None)
-    d["_parameters"] = OrderedDict((k, torch.nn.Parameter(v, requires_grad=False)) for k, v in params.items())
+    # parameters registered as None (e.g. nn.LayerNorm(bias=False)) stay None on the stand-in
+    d["_parameters"] = OrderedDict((k, None) for k, v in m._parameters.items() if v is None)
+    d["_parameters"].update((k, torch.nn.Parameter(v, requires_grad=False)) for k, v in params.items())
     d["_buffers"] = OrderedDict()
     d["_modules"] = OrderedDict()
     clone.__dict__.update(d)

@@ -132,6 +132,9 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
             flags = site.flag_dict
             from ..ops.kinds import unwrap
             reason = op.check(unwrap(module), info, flags)
+            if reason is None and host is not module:
+                # ops hosted elsewhere (the loss path on the causal LM) also vet the host
+                reason = op.check(unwrap(host), info, flags)
             if reason:
                 r = Refusal(site.path, site.op, site.rule, reason)
                 if strict:

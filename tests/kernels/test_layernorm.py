@@ -163,10 +163,7 @@ def _layernorm(kind, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", [
-    "nn_bias", "custom_nobias",
-    pytest.param("nn_nobias", marks=pytest.mark.xfail(
-        strict=True, reason="kinds.layernorm's probe stand-in drops nn.LayerNorm's None bias parameter "
-                            "(ops/kinds.py _stand_in), so nn.LayerNorm(bias=False) is not recognised")),
+    "nn_bias", "custom_nobias", "nn_nobias",
 ])
 def test_patched_layernorm_matches_torch(kind, dtype):
     hidden = 96
