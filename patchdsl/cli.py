@@ -7,10 +7,8 @@ Spec errors never print a Python traceback.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -55,8 +53,6 @@ def main() -> None:
 
 
 def _read_spec(path: str):
-    from .syntax import load_spec
-
     p = Path(path)
     if not p.exists():
         from .resources import specs_dir

@@ -15,18 +15,17 @@ Precedence (documented in docs/language.md, tested in tests/test_precedence.py):
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from .check import CheckedSpec, FlagValue, check_spec
+from .check import CheckedSpec, check_spec
 from .codegen.keys import KernelKey
 from .index import ModelIndex, build_index
 from .ops.base import ModuleInfo
 from .ops.registry import get_op
 from .select import explain_no_match, select
-from .syntax.ast import Span, Spec
+from .syntax.ast import Spec
 from .syntax.errors import SpecError
 
 PLAN_FORMAT = 1

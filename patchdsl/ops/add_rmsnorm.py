@@ -25,9 +25,9 @@ import inspect
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import ModuleInfo, Op
 from .registry import register
-from .rmsnorm import next_pow2, resolve_auto, row_block, row_launch
+from .rmsnorm import RMS_FLAGS, rms_kernel_name, rms_key_params
 
 CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -300,36 +300,13 @@ class FusedAddRMSNorm(Op):
     covers = ("post_attention_layernorm",)
     doc = ("A pre-norm decoder layer's `residual + attn_out` and `post_attention_layernorm` in one kernel "
            "(returns both); backward takes both gradients.")
-    flags = (
-        FlagSpec("eps", "float", "auto", "epsilon added to the mean square; auto = the norm's own", auto_ok=True, min=0.0),
-        FlagSpec("offset", "float", "auto", "scale is (offset + w); auto = probed (0 Llama/Qwen, 1 Gemma)", auto_ok=True),
-        FlagSpec("casting", "choice", "auto", "llama: cast then scale; gemma: scale in fp32 then cast; auto = probed",
-                 choices=("llama", "gemma"), auto_ok=True),
-        FlagSpec("block", "int", "auto", "block size in elements (power of two); auto = by hidden size",
-                 auto_ok=True, min=16),
-    )
+    flags = RMS_FLAGS
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
-        f = info.facts("DecoderLayer")
-        hidden = int(f["hidden"])
-        eps = float(resolve_auto(flags, "eps", f["eps"]))
-        offset = float(resolve_auto(flags, "offset", f["offset"]))
-        casting = resolve_auto(flags, "casting", f["casting"])
-        if casting == "unknown":
-            casting = "llama"
-        block, single = row_block(hidden, target)
-        if flags.get("block", "auto") != "auto":
-            block = next_pow2(int(flags["block"]))
-            single = block >= hidden
-        return {
-            "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
-            "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
-            **row_launch(hidden, block, single, target), "target": target, "tag": f"h{hidden}",
-        }
+        return rms_key_params(info.facts("DecoderLayer"), flags, dtype, info.dtype, target)
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
-        off = f"_off{params['offset']:g}" if params["offset"] else ""
-        return f"{self.name}_{params['dtype']}_h{params['hidden']}_{params['casting']}{off}_{params['target']}"
+        return rms_kernel_name(self.name, params)
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         f = info.facts("DecoderLayer")

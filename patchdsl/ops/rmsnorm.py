@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..syntax.errors import SpecError  # noqa: F401  (re-exported for op authors)
 from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
 
@@ -71,41 +70,53 @@ def resolve_auto(flags: Mapping[str, Any], name: str, detected: Any) -> Any:
     return detected if v == "auto" else v
 
 
+RMS_FLAGS = (
+    FlagSpec("eps", "float", "auto", "epsilon added to the mean square; auto = the module's own", auto_ok=True, min=0.0),
+    FlagSpec("offset", "float", "auto", "scale is (offset + w); auto = probed (0 Llama/Qwen, 1 Gemma)", auto_ok=True),
+    FlagSpec("casting", "choice", "auto", "llama: cast then scale; gemma: scale in fp32 then cast; auto = probed",
+             choices=("llama", "gemma"), auto_ok=True),
+    FlagSpec("block", "int", "auto", "block size in elements (power of two); auto = by hidden size",
+             auto_ok=True, min=16),
+)
+
+
+def rms_key_params(facts: Mapping[str, Any], flags: Mapping[str, Any], dtype: str, w_dtype: str | None,
+                   target: str) -> dict[str, Any]:
+    """Kernel parameters shared by every RMSNorm-family op (fused_rmsnorm, fused_add_rmsnorm)."""
+    hidden = int(facts["hidden"])
+    eps = float(resolve_auto(flags, "eps", facts["eps"]))
+    offset = float(resolve_auto(flags, "offset", facts["offset"]))
+    casting = resolve_auto(flags, "casting", facts["casting"])
+    if casting == "unknown":
+        casting = "llama"
+    block, single = row_block(hidden, target)
+    if flags.get("block", "auto") != "auto":
+        block = next_pow2(int(flags["block"]))
+        single = block >= hidden
+    return {
+        "dtype": dtype, "w_dtype": w_dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
+        "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
+        **row_launch(hidden, block, single, target), "target": target, "tag": f"h{hidden}",
+    }
+
+
+def rms_kernel_name(op_name: str, params: Mapping[str, Any]) -> str:
+    off = f"_off{params['offset']:g}" if params["offset"] else ""
+    return f"{op_name}_{params['dtype']}_h{params['hidden']}_{params['casting']}{off}_{params['target']}"
+
+
 class FusedRMSNorm(Op):
     name = "fused_rmsnorm"
     kinds = ("RMSNorm",)
     template = "fused_rmsnorm.py.j2"
     doc = "RMSNorm forward and backward in one kernel each; dW reduced on the device."
-    flags = (
-        FlagSpec("eps", "float", "auto", "epsilon added to the mean square; auto = the module's own", auto_ok=True, min=0.0),
-        FlagSpec("offset", "float", "auto", "scale is (offset + w); auto = probed (0 Llama/Qwen, 1 Gemma)", auto_ok=True),
-        FlagSpec("casting", "choice", "auto", "llama: cast then scale; gemma: scale in fp32 then cast; auto = probed",
-                 choices=("llama", "gemma"), auto_ok=True),
-        FlagSpec("block", "int", "auto", "block size in elements (power of two); auto = by hidden size",
-                 auto_ok=True, min=16),
-    )
+    flags = RMS_FLAGS
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
-        f = info.facts("RMSNorm")
-        hidden = int(f["hidden"])
-        eps = float(resolve_auto(flags, "eps", f["eps"]))
-        offset = float(resolve_auto(flags, "offset", f["offset"]))
-        casting = resolve_auto(flags, "casting", f["casting"])
-        if casting == "unknown":
-            casting = "llama"
-        block, single = row_block(hidden, target)
-        if flags.get("block", "auto") != "auto":
-            block = next_pow2(int(flags["block"]))
-            single = block >= hidden
-        return {
-            "dtype": dtype, "w_dtype": info.dtype or dtype, "hidden": hidden, "eps": eps, "offset": offset,
-            "casting": casting, "BLOCK": block, "single_pass": single, "n_tiles": -(-hidden // block),
-            **row_launch(hidden, block, single, target), "target": target, "tag": f"h{hidden}",
-        }
+        return rms_key_params(info.facts("RMSNorm"), flags, dtype, info.dtype, target)
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
-        off = f"_off{params['offset']:g}" if params["offset"] else ""
-        return f"{self.name}_{params['dtype']}_h{params['hidden']}_{params['casting']}{off}_{params['target']}"
+        return rms_kernel_name(self.name, params)
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         f = info.facts("RMSNorm")
