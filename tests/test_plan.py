@@ -150,3 +150,24 @@ def test_plan_needs_no_weights(qwen3_meta):
     assert all(p.device.type == "meta" for p in qwen3_meta.parameters())
     p = plan("*.mlp: SwiGLU -> fused_swiglu", qwen3_meta, target="interpreter")
     assert len(p.sites) == N_LAYERS
+
+
+def test_cli_plan_full_qwen3_offline():
+    """`patchdsl plan specs/qwen3.kpatch --model Qwen/Qwen3-0.6B` with no network and no weights:
+    every RMSNorm (q_norm/k_norm fused into the attention op), every MLP and the LM head."""
+    from click.testing import CliRunner
+
+    from patchdsl.cli import main
+    from patchdsl.resources import shipped_spec
+
+    r = CliRunner().invoke(main, ["plan", str(shipped_spec("qwen3")), "--model", "Qwen/Qwen3-0.6B", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    totals = {t["name"]: (t["patched"], t["present"]) for t in d["totals"]}
+    for name in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "mlp", "self_attn"):
+        assert totals[name] == (28, 28), (name, totals)
+    assert totals["norm"] == (1, 1) and totals["lm_head"] == (1, 1)
+    assert {s["op"] for s in d["sites"]} == {"fused_rmsnorm", "fused_qk_norm_rope", "fused_swiglu",
+                                             "fused_linear_cross_entropy"}
+    rms = next(s for s in d["sites"] if s["op"] == "fused_rmsnorm")
+    assert rms["kernels"][0]["params"]["hidden"] == 1024
