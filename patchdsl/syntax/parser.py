@@ -252,16 +252,21 @@ def _resolve_include(name: str, span: Span, base_dir: Path | None) -> Path:
 
 
 def load_spec(path_or_text: str | Path) -> Spec:
-    """Load a spec from a file path, a shipped spec name (``qwen3``), or spec text."""
-    if isinstance(path_or_text, Path) or ("\n" not in str(path_or_text) and ":" not in str(path_or_text)
-                                          or str(path_or_text).endswith(".kpatch")):
+    """Load a spec from a file path, a shipped spec name (``"qwen3"``), or spec text.
+
+    A ``Path``, an existing file, or a string ending in ``.kpatch`` is a file; a bare word that
+    names a shipped spec is that spec; anything else is spec text.
+    """
+    if isinstance(path_or_text, Path) or Path(str(path_or_text)).is_file() or str(path_or_text).endswith(".kpatch"):
         p = Path(path_or_text)
-        if p.is_file():
-            return parse_spec(p.read_text(), str(path_or_text), base_dir=p.parent)
-        shipped = specs_dir() / (p.name if p.name.endswith(".kpatch") else p.name + ".kpatch")
-        if not str(path_or_text).endswith(".kpatch") or not p.exists():
-            if shipped.is_file() and not p.exists() and "/" not in str(path_or_text):
-                return parse_spec(shipped.read_text(), str(shipped), base_dir=shipped.parent)
-        if isinstance(path_or_text, Path) or str(path_or_text).endswith(".kpatch"):
+        if not p.is_file() and "/" not in str(path_or_text):
+            p = specs_dir() / p.name
+        if not p.is_file():
             raise SpecError(f"spec file '{path_or_text}' not found")
-    return parse_spec(str(path_or_text), "<string>")
+        return parse_spec(p.read_text(), str(path_or_text) if Path(path_or_text).is_file() else str(p),
+                          base_dir=p.parent)
+    text = str(path_or_text)
+    shipped = specs_dir() / f"{text}.kpatch"
+    if text.isidentifier() and shipped.is_file():
+        return parse_spec(shipped.read_text(), str(shipped), base_dir=shipped.parent)
+    return parse_spec(text, "<string>")
