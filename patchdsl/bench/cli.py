@@ -4,6 +4,7 @@
     patchdsl bench e2e  [--json F] [--batch 16 --seq 2048] [--variants hf,patchdsl,liger] [--budget S]
     patchdsl bench summary FILE.json [FILE.json]   # print the tables (and the targets) again
     patchdsl bench plot FILE.json [FILE.json] --png F
+    patchdsl bench specialise [--json F] [--ops rmsnorm,rope] [--eager] [--budget S]   # specialised vs generic
 
 Results go to --json, else to $OUT/<ops|e2e>.json when $OUT is set, else to bench/results/.
 On a machine without a GPU the default is a tiny CPU run through the Triton interpreter (for
@@ -91,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("plot", help="plot result JSON files")
     g.add_argument("files", nargs="+")
     g.add_argument("--png", required=True)
+
+    from .specialise import add_parser as add_specialise
+    add_specialise(sub)
     return p
 
 
@@ -150,6 +154,10 @@ def run(argv: list[str]) -> int:
 
     device = a.device or _default_device()
     cuda = device.startswith("cuda")
+    if a.cmd == "specialise":
+        from .specialise import main as specialise_main
+
+        return specialise_main(a, device, _out_dir())
     if a.cmd == "ops":
         from .runner import IMPLS, Options, run_ops
 
