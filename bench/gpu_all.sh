@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One call on the H200: kernel tests at real sizes, per-op benchmarks, end-to-end training.
 #
-#   bash bench/gpu_all.sh            # = all: tests, ops (issue shapes, then the sweep), e2e
-#   bash bench/gpu_all.sh ops        # parts, in any combination: tests ops issue sweep e2e
+#   bash bench/gpu_all.sh            # = all: tests, ops (issue shapes, then the sweep), specialise, e2e
+#   bash bench/gpu_all.sh ops        # parts, in any combination: tests ops issue sweep specialise e2e
 #   OPS_ARGS="--ops rmsnorm,swiglu" E2E_ARGS="--variants hf,patchdsl,compile" bash bench/gpu_all.sh ops e2e
 #
-# Each part runs under its own timeout (T_TESTS, T_OPS, T_E2E seconds; defaults sum to ~9 min),
+# Each part runs under its own timeout (T_TESTS, T_OPS, T_SPEC, T_E2E seconds; defaults sum to ~9.7 min),
 # never stops the others, and writes under $OUT (default bench/results/run-<date>):
-#   bench.log  tests.log  ops.json (ops_sweep.json for the part "sweep")  e2e.json  bench.png  summary.txt
+#   bench.log  tests.log  ops.json (ops_sweep.json for the part "sweep")  specialise.json/.txt  e2e.json
+#   bench.png  summary.txt
 # The compact summary is printed LAST.  The wheels in .whl/ (lark, liger-kernel,
 # cut-cross-entropy) must travel with the call (carry ".whl").
 set -u
@@ -20,8 +21,9 @@ LOG=$OUT/bench.log
 T_TESTS=${T_TESTS:-120}
 T_OPS=${T_OPS:-270}
 T_E2E=${T_E2E:-130}
+T_SPEC=${T_SPEC:-60}
 PARTS=${*:-all}
-case " $PARTS " in *" all "*) PARTS="tests ops e2e" ;; esac
+case " $PARTS " in *" all "*) PARTS="tests ops specialise e2e" ;; esac
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PATCHDSL_CACHE=${PATCHDSL_CACHE:-/tmp/patchdsl-kernels}
@@ -81,11 +83,15 @@ for part in $PARTS; do
       run_part "$part" "$T_OPS" python3 -m patchdsl.cli bench ops --json "$OUT/$name.json" --no-png \
         --budget $(( T_OPS - 45 )) $sel ${OPS_ARGS:-}
       ;;
+    specialise)   # specialised kernel vs the generic (looped/masked) variant of each op
+      run_part specialise "$T_SPEC" python3 -m patchdsl.cli bench specialise --json "$OUT/specialise.json" \
+        --budget $(( T_SPEC - 25 )) ${SPEC_ARGS:-}
+      ;;
     e2e)
       run_part e2e "$T_E2E" python3 -m patchdsl.cli bench e2e --json "$OUT/e2e.json" --no-png \
         --budget $(( T_E2E - 35 )) ${E2E_ARGS:-}
       ;;
-    *) say "unknown part '$part' (use: all tests ops issue sweep e2e)" ;;
+    *) say "unknown part '$part' (use: all tests ops issue sweep specialise e2e)" ;;
   esac
 done
 
@@ -105,6 +111,7 @@ rm -f "$OUT"/*.tmp
   printf '%s\n' ${status[@]+"${status[@]}"}
   [ -f "$OUT/tests.log" ] && grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 8
   [ -f "$OUT/summary.txt" ] && cat "$OUT/summary.txt"
+  [ -f "$OUT/specialise.txt" ] && cat "$OUT/specialise.txt"
   echo "files: $(cd "$OUT" && ls | tr '\n' ' ')"
 } 2>&1
 exit 0

@@ -109,6 +109,7 @@ class Options:
     budget_s: float = 1e9
     target_ms: float = 60.0
     json_path: str | None = None
+    txt_path: str | None = None     # the summary table, rewritten after every shape (a killed run keeps it)
     seed: int = runner.SEED
     quiet: bool = False
 
@@ -397,13 +398,23 @@ def run_specialise(o: Options) -> dict[str, Any]:
         doc["results"] += rows
         doc["elapsed_s"] = time.perf_counter() - ctx.t0
         runner.write_json(o.json_path, runner._finite(doc))
+        _write_text(o.txt_path, table(doc))
         for r in rows:
             ctx.log(_line(r))
     doc["complete"] = True
     doc["elapsed_s"] = time.perf_counter() - ctx.t0
     doc["summary"] = summary_rows(doc)
     runner.write_json(o.json_path, runner._finite(doc))
+    _write_text(o.txt_path, table(doc))
     return runner._finite(doc)
+
+
+def _write_text(path: str | None, text: str) -> None:
+    if path:
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
 
 
 def _line(r: dict) -> str:
@@ -479,15 +490,14 @@ def main(a, device: str, out_dir) -> int:
     from .cli import _csv
 
     path = a.json or str(Path(out_dir) / "specialise.json")
-    o = Options(device=device, dtype=a.dtype, ops=_csv(a.ops), tiny=a.tiny or not timing.is_cuda(device),
+    txt = a.txt or str(Path(path).with_suffix(".txt"))
+    o = Options(txt_path=txt, device=device, dtype=a.dtype, ops=_csv(a.ops), tiny=a.tiny or not timing.is_cuda(device),
                 eager=a.eager, budget_s=a.budget, target_ms=a.target_ms, json_path=path, seed=a.seed, quiet=a.quiet)
     try:
         doc = run_specialise(o)
     except ValueError as ex:
         print(str(ex), file=sys.stderr)
         return 2
-    text = table(doc)
-    Path(a.txt or str(Path(path).with_suffix(".txt"))).write_text(text + "\n")
-    print(f"results: {path}")
-    print(text)
+    print(f"results: {path}, {txt}")
+    print(table(doc))
     return 1 if wrong(doc) else 0
