@@ -1,0 +1,329 @@
+"""Compile every op's cuda-target kernels for sm_90 on the CPU, discovered by running the ops.
+
+The Triton interpreter (the CPU tests) accepts code the GPU compiler rejects (plain Python
+globals read inside a kernel, loop-carried values changing type, ...).  This module finds every
+kernel launch the cuda-target code makes, generically, and hands each one to Triton's own
+compiler for sm_90 (ptxas ships with the triton wheel; no GPU is needed):
+
+1. build a one-layer causal LM of a real family at real widths on the meta device, move it to
+   CPU memory without initialising it (values are irrelevant: nothing is computed by a kernel);
+2. for each registered op: install it (the op's own ``check``/``install``, kernels rendered for
+   target ``cuda``) on every module of the index it accepts, run the model forward with labels
+   and backward, and undo;
+3. meanwhile ``kernel[grid](*args, **kwargs)`` records the launch instead of running it; each
+   recorded launch gives a signature (tensor dtypes, int widths, constexpr values, num_warps)
+   that is compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
+
+Adding an op needs no edit here: the registry, the index and the op's install do the work.
+Every ``@triton.jit`` function of every generated module must end up compiled (launched, or
+called from a launched kernel), so a kernel the run never reaches is reported, not skipped.
+
+Runs in a subprocess (``python tests/kernels/cuda_compile.py <json>``) because TRITON_INTERPRET
+is fixed when triton is imported; the tests set it to 0 there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Real widths of the families the specs ship for (one layer; vocab smaller than the real one
+# where the real one only costs CPU memory and time and changes no specialisation).
+VARIANTS = {
+    # Qwen/Qwen3-0.6B: q_norm/k_norm (fused_qk_norm_rope), SwiGLU, tied 151936 vocab
+    "qwen3": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                            rms_norm_eps=1e-6)),
+    # google/gemma-3-1b widths: (1 + w) norms with fp32 scaling, gelu_tanh GeGLU, softcapping
+    "gemma3": ("gemma3_text", dict(hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
+                                   num_key_value_heads=1, head_dim=256, vocab_size=32000,
+                                   hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                                   sliding_window=512, final_logit_softcapping=30.0)),
+    # Phi-3-mini widths: fused gate_up_proj and qkv_proj, partial rotary 0.5, vocab 32064
+    "phi3": ("phi3", dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
+                          num_key_value_heads=32, vocab_size=32064, partial_rotary_factor=0.5,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # stabilityai/stablelm-2-1_6b widths: LayerNorm with bias, partial rotary 0.25
+    "stablelm": ("stablelm", dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
+                                  num_key_value_heads=32, vocab_size=100352, partial_rotary_factor=0.25)),
+}
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PTR = {"torch.float32": "*fp32", "torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.int64": "*i64",
+       "torch.int32": "*i32", "torch.int16": "*i16", "torch.int8": "*i8", "torch.uint8": "*u8",
+       "torch.bool": "*i1", "torch.float64": "*fp64"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
+
+
+# ------------------------------------------------------------------------------------ child
+def build_model(variant: str, dtype: str, meta: bool = False):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, kw = VARIANTS[variant]
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=1, max_position_embeddings=4096, **kw)
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:1]
+    cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                             dtype=getattr(torch, TORCH_DTYPES[dtype]))
+    if meta:
+        return m
+    m = m.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in m.parameters():      # small finite values (uninitialised memory may hold NaN)
+            p.fill_(0.01)
+        for b in m.buffers():
+            b.fill_(0.01) if b.is_floating_point() else b.zero_()
+    return m.train()
+
+
+def accepted_sites(op, model, index, flags):
+    """(site path, merged info, host module, host path) of every module ``op`` accepts, one per
+    host, chosen the way the runtime does: the op's kinds, its ``host``, its ``check``."""
+    from patchdsl.ops.kinds import unwrap
+    from patchdsl.planner import _merged_info
+
+    out, hosts = [], set()
+    for info in index:
+        if not any(k in info.kinds for k in op.kinds):
+            continue
+        host_path = op.host(info, index)
+        if host_path in hosts:        # one op per host, as the runtime does
+            continue
+        minfo = _merged_info(info, index.infos.get(host_path))
+        module = model.get_submodule(info.path) if info.path else model
+        host = model.get_submodule(host_path) if host_path else model
+        reason = op.check(unwrap(module), minfo, flags)
+        if reason is None and host is not module:
+            reason = op.check(unwrap(host), minfo, flags)
+        if reason is None:
+            out.append((info.path, minfo, host, host_path))
+            hosts.add(host_path)
+    return out
+
+
+def resolved_flags(op, overrides):
+    return {**op.default_flags(), **{k: op.flag(k).coerce(v) for k, v in overrides.items()}}
+
+
+def _arg_type(v):
+    """Triton signature type of a runtime argument (None: it is a constexpr)."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return PTR[str(v.dtype)]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -2**31 <= v < 2**31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    return None
+
+
+def launch_spec(fn, args, kwargs):
+    """(signature, constexprs, options) of ``fn[grid](*args, **kwargs)``."""
+    import triton.language as tl
+
+    bound = dict(zip(fn.arg_names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
+    unknown = [k for k in kwargs if k not in fn.arg_names and k not in LAUNCH_OPTIONS]
+    if unknown:
+        raise TypeError(f"{fn.__name__}: unknown launch keyword(s) {unknown}")
+    opts = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+    sig, consts = {}, {}
+    for p in fn.params:
+        if p.name not in bound:
+            if not p.has_default:
+                raise TypeError(f"{fn.__name__}: argument {p.name} not passed")
+            bound[p.name] = p.default
+        v = bound[p.name]
+        if isinstance(v, tl.constexpr):
+            v = v.value
+        t = None if p.is_constexpr else _arg_type(v)
+        if t is None:
+            sig[p.name] = "constexpr"
+            consts[p.name] = v
+        else:
+            sig[p.name] = t
+    return sig, consts, opts
+
+
+def flag_variants(op) -> list[dict]:
+    """Flag settings besides the defaults that select other compiled-in modes, one change at a
+    time: every other choice of a choice flag, the other value of a bool flag, a non-zero value of
+    a float flag that defaults to 0 (label smoothing, z-loss), and a small ``block`` (forces the
+    looped variants of kernels whose rows fit one block at real sizes)."""
+    out = []
+    for f in op.flags:
+        if f.type == "choice":
+            out += [{f.name: c} for c in f.choices if c != f.default]
+        elif f.type == "bool":
+            out.append({f.name: not f.default})
+        elif f.type == "float" and f.default == 0.0:
+            out.append({f.name: 0.1})
+        elif f.type == "int" and f.name == "block":
+            out.append({f.name: 256})
+    return out
+
+
+def _jit_functions(mod):
+    from triton.runtime.jit import JITFunction
+
+    return {name: fn for name, fn in vars(mod).items()
+            if isinstance(fn, JITFunction) and getattr(fn.fn, "__module__", None) == mod.__name__}
+
+
+def _stub_cuda_queries():
+    """The cuda-target host code asks for the SM count; answer as an H200 would."""
+    import types
+
+    import torch
+
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+        multi_processor_count=132, name="NVIDIA H200 (stub)", total_memory=141 * 2**30)
+
+
+def run_variant(variant: str, dtypes: list[str], out: str) -> dict:
+    os.environ.setdefault("PATCHDSL_CACHE", os.path.join(out, "kernels"))
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import KernelInterface
+
+    from patchdsl.index import build_index
+    from patchdsl.ops.registry import ops
+    from patchdsl.runtime.patch import kernel_getter
+
+    assert os.environ.get("TRITON_INTERPRET") == "0", "run with TRITON_INTERPRET=0"
+    _stub_cuda_queries()
+    launches: list = []
+    modules: dict[str, object] = {}          # generated module name -> module
+    orig_getitem = KernelInterface.__getitem__
+
+    def record(self, grid):
+        def launch(*args, **kwargs):
+            launches.append((self, args, kwargs))
+        return launch
+
+    report = {"variant": variant, "sites": {}, "compiled": [], "uncompiled": [], "errors": []}
+    KernelInterface.__getitem__ = record
+    try:
+        for dtype in dtypes:
+            torch.manual_seed(0)
+            model = build_model(variant, dtype)
+            index = build_index(model)
+            vocab = model.config.vocab_size
+            ids = torch.randint(0, vocab, (2, 8))
+            passes = [(op, {}) for op in ops().values()]
+            if dtype == dtypes[0]:
+                passes += [(op, fv) for op in ops().values() for fv in flag_variants(op)]
+            for op, overrides in passes:
+                undo, sites = [], []
+                flags = resolved_flags(op, overrides)
+                try:
+                    for path, minfo, host, _ in accepted_sites(op, model, index, flags):
+                        base = kernel_getter(op, minfo, flags, "cuda")
+
+                        def kernels(dt, base=base):
+                            m = base(dt)
+                            modules[m.__name__] = m
+                            return m
+
+                        for obj, attr, value in op.install(host, kernels, flags, minfo):
+                            undo.append((obj, attr, obj.__dict__.get(attr, undo)))
+                            setattr(obj, attr, value)
+                        sites.append(path)
+                    if sites:
+                        res = model(input_ids=ids, labels=ids)
+                        loss = res.loss if res.loss is not None else res.logits.float().sum()
+                        loss.float().sum().backward()
+                        model.zero_grad(set_to_none=True)
+                finally:
+                    for obj, attr, old in reversed(undo):
+                        if old is undo:
+                            delattr(obj, attr)
+                        else:
+                            setattr(obj, attr, old)
+                label = op.name + "".join(f" {k}={v}" for k, v in overrides.items())
+                report["sites"].setdefault(label, {})[dtype] = sites
+            del model
+    finally:
+        KernelInterface.__getitem__ = orig_getitem
+
+    target = GPUTarget("cuda", 90, 32)
+    done: dict = {}
+    compiled_src: dict[str, set] = {}        # module name -> names of jit functions compiled
+    for fn, args, kwargs in launches:
+        sig, consts, opts = launch_spec(fn, args, kwargs)
+        key = (fn.fn.__module__, fn.__name__, json.dumps(sig), repr(sorted(consts.items())), repr(sorted(opts.items())))
+        if key in done:
+            continue
+        t0 = time.time()
+        try:
+            triton.compile(ASTSource(fn, sig, constexprs=consts), target=target, options=opts)
+            done[key] = time.time() - t0
+            compiled_src.setdefault(fn.fn.__module__, set()).add(fn.__name__)
+            report["compiled"].append(
+                {"module": fn.fn.__module__, "kernel": fn.__name__, "signature": sig, "constexprs": {
+                    k: repr(v) for k, v in consts.items()}, "options": opts, "seconds": round(done[key], 2)})
+        except Exception as e:        # collect all failures, then report them together
+            done[key] = None
+            report["errors"].append(f"{fn.fn.__module__}.{fn.__name__} {sig} {consts} {opts}: "
+                                    f"{type(e).__name__}: {str(e)[-1500:]}")
+
+    # Every @triton.jit function of every generated module must be compiled: launched, called
+    # from a launched kernel, or the identical source compiled from another module (a template
+    # may emit a helper every variant carries but only some modes launch, e.g. scale_rows).
+    reached_src = set()
+    for name, mod in modules.items():
+        fns = _jit_functions(mod)
+        reached = set(compiled_src.get(name, ()))
+        grew = True
+        while grew:
+            grew = False
+            for fname in fns:
+                if fname not in reached and any(f"{fname}(" in fns[r].src for r in reached if r in fns):
+                    reached.add(fname)
+                    grew = True
+        reached_src |= {fns[f].src for f in reached if f in fns}
+    for name, mod in modules.items():
+        report["uncompiled"] += [f"{name}.{f}" for f, fn in sorted(_jit_functions(mod).items())
+                                 if fn.src not in reached_src]
+    report["modules"] = sorted(modules)
+    return report
+
+
+# ----------------------------------------------------------------------------------- parent
+def compile_variant(tmp_path, variant: str, dtypes: list[str]) -> dict:
+    """Run :func:`run_variant` in a subprocess with the interpreter off; return its report."""
+    import pytest
+
+    pytest.importorskip("triton.backends.nvidia")
+    out = str(tmp_path)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.path.join(out, "triton_cache"),
+               PATCHDSL_CACHE=os.path.join(out, "kernels"),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps([variant, dtypes, out])],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas in this triton installation")
+    assert r.returncode == 0, r.stderr[-4000:]
+    with open(os.path.join(out, "report.json")) as f:
+        return json.load(f)
+
+
+if __name__ == "__main__":
+    variant, dtypes, out = json.loads(sys.argv[1])
+    rep = run_variant(variant, dtypes, out)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(rep, f, indent=1, default=repr)

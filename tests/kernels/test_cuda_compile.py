@@ -1,0 +1,49 @@
+"""Every op's cuda-target kernels, forward and backward, compile for sm_90 (CPU only, no GPU).
+
+The Triton interpreter the CPU tests run on accepts code that Triton's GPU compiler rejects, so
+here each registered op is installed on a one-layer model of a real family at real widths, the
+model runs forward and backward with every kernel launch recorded instead of run, and each
+recorded launch is compiled for sm_90 (see tests/kernels/cuda_compile.py).  Nothing here names an
+op: a new op is covered as soon as it is registered and some variant below has a module it accepts
+(test_every_op_has_a_site says when none does).
+"""
+
+import pytest
+
+from .cuda_compile import VARIANTS, accepted_sites, build_model, compile_variant, flag_variants, resolved_flags
+
+# Qwen3 in every dtype; the other families (different facts: offset 1 / gelu_tanh / softcap,
+# fused gate_up and qkv with partial rotary, LayerNorm with bias) in bf16.
+DTYPES = {"qwen3": ["bf16", "fp32", "fp16"], "gemma3": ["bf16"], "phi3": ["bf16"], "stablelm": ["bf16"]}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cuda_kernels_compile_for_sm90(tmp_path, variant):
+    rep = compile_variant(tmp_path, variant, DTYPES[variant])
+    assert not rep["errors"], "\n\n".join(rep["errors"])[:6000]
+    assert rep["modules"], "no generated module was imported"
+    assert not rep["uncompiled"], f"@triton.jit functions never launched nor compiled: {rep['uncompiled']}"
+    # every op that had a site launched at least one kernel of its own module, in every dtype
+    compiled_modules = {c["module"] for c in rep["compiled"]}
+    for m in rep["modules"]:
+        assert m in compiled_modules, f"{m} was imported but none of its kernels was launched"
+    stems = [m.split(".")[-1] for m in compiled_modules]
+    for label, by_dtype in rep["sites"].items():
+        for dt, sites in by_dtype.items():
+            if sites and " " not in label:     # default flags: every dtype
+                assert any(s.startswith(label + "_") and f"_{dt}_" in s for s in stems), (label, dt, sites)
+
+
+def test_every_op_has_a_site():
+    """Each registered op accepts a module of some variant, with its default flags and with every
+    flag variant the compile test tries (otherwise its kernels would silently go uncompiled)."""
+    from patchdsl.index import build_index
+    from patchdsl.ops.registry import ops
+
+    models = {v: build_model(v, "bf16", meta=True) for v in VARIANTS}
+    indexes = {v: build_index(m) for v, m in models.items()}
+    for op in ops().values():
+        for overrides in [{}] + flag_variants(op):
+            flags = resolved_flags(op, overrides)
+            where = [v for v in VARIANTS if accepted_sites(op, models[v], indexes[v], flags)]
+            assert where, f"{op.name} {overrides}: no variant of tests/kernels/cuda_compile.py has a site for it"
