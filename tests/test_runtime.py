@@ -177,3 +177,11 @@ def test_peft_lora_and_modules_to_save():
         assert g is not None and r is not None, n
         assert torch.allclose(g, r, rtol=1e-3, atol=1e-5), n
     h.undo()
+
+
+def test_loss_ops_refuse_a_linear_that_is_not_the_lm_head():
+    m = tiny_model("qwen3")
+    for op in ("fused_cross_entropy", "fused_linear_cross_entropy"):
+        h = apply(plan(f"*.layers.0.self_attn.q_proj: Linear -> {op}", m), m)
+        assert h.patched == [] and len(h.refused) == 1, op
+        assert "not the causal LM's lm_head" in h.refused[0].reason

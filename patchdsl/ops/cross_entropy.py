@@ -139,6 +139,8 @@ class FusedCrossEntropy(Op):
         import torch
         if not isinstance(module, torch.nn.Linear):
             return f"{type(module).__name__} is not a plain nn.Linear"
+        if info.path.rsplit(".", 1)[-1] != "lm_head" or module.out_features != f["vocab"]:
+            return "this Linear is not the causal LM's lm_head (the loss is computed from lm_head's logits)"
         return None
 
     def make_forward(self, module, kernels, flags, info):

@@ -81,7 +81,8 @@ class FusedLinearCrossEntropy(Op):
         import torch
         if not isinstance(module, torch.nn.Linear):
             return f"{type(module).__name__} is not a plain nn.Linear (a LoRA delta would be missed)"
-        if module.out_features != f["vocab"] or module.in_features != f["hidden"]:
+        if (info.path.rsplit(".", 1)[-1] != "lm_head" or module.out_features != f["vocab"]
+                or module.in_features != f["hidden"]):
             return "this Linear is not the causal LM's lm_head"
         got, want = resolve_softcap(flags, f), (float(f["softcap"]) if f.get("softcap") else None)
         if got != want:
