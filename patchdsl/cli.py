@@ -260,6 +260,9 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
     else:
         s.add_row("peak memory", "n/a on CPU", "n/a on CPU", "")
     console.print(s)
+    if not on_gpu:
+        console.print("[dim]On the CPU the kernels run in Triton's interpreter, so the patched run is slower: "
+                      "compare losses here, speed on a GPU.[/dim]")
     console.print(f"patched {len(handle.patched)} site(s), refused {len(handle.refused)}; "
                   + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in p.totals))
     if json_out:
