@@ -42,17 +42,10 @@ def key_hash(key: KernelKey) -> str:
     return content_hash(template_text(key.template), key, __version__, _triton_version())
 
 
-def write_kernel(key: KernelKey, directory: Path | None = None, *, flat: bool = False) -> Path:
-    """Render ``key`` and write it atomically; return the file path.  Idempotent."""
-    digest = key_hash(key)
-    root = Path(directory) if directory is not None else cache_dir()
-    folder = root if flat else root / digest[:2]
-    path = folder / (f"{key.name}.py" if flat else f"{key.name}_{digest[:16]}.py")
-    if path.is_file() and not flat:
-        return path
-    text = render(key)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".py", dir=folder)
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".py", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -63,6 +56,17 @@ def write_kernel(key: KernelKey, directory: Path | None = None, *, flat: bool = 
         except FileNotFoundError:
             pass
         raise
+
+
+def write_kernel(key: KernelKey, directory: Path | None = None, *, flat: bool = False) -> Path:
+    """Render ``key`` and write it atomically; return the file path.  Idempotent."""
+    digest = key_hash(key)
+    root = Path(directory) if directory is not None else cache_dir()
+    folder = root if flat else root / digest[:2]
+    path = folder / (f"{key.name}.py" if flat else f"{key.name}_{digest[:16]}.py")
+    if path.is_file() and not flat:
+        return path
+    atomic_write(path, render(key))
     return path
 
 
