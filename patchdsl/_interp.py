@@ -13,12 +13,27 @@ import glob
 import os
 
 
-def gpu_device_nodes() -> bool:
-    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or glob.glob("/dev/dxg"))
+def gpu_present() -> bool:
+    """Any sign of a GPU, cheaply and without importing torch (unless it is already imported)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            return bool(torch.cuda.is_available())
+        except Exception:
+            pass
+    if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia"):
+        return True
+    if os.path.exists("/dev/kfd") or glob.glob("/dev/dxg"):
+        return True
+    import ctypes.util
+
+    return ctypes.util.find_library("cuda") is not None
 
 
 def early_interpreter() -> None:
-    if os.environ.get("TRITON_INTERPRET") is None and not gpu_device_nodes():
+    if os.environ.get("TRITON_INTERPRET") is None and not gpu_present():
         os.environ["TRITON_INTERPRET"] = "1"
 
 
