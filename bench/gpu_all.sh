@@ -5,7 +5,7 @@
 #   bash bench/gpu_all.sh ops        # parts, in any combination: tests ops issue sweep specialise e2e
 #   OPS_ARGS="--ops rmsnorm,swiglu" E2E_ARGS="--variants hf,patchdsl,compile" bash bench/gpu_all.sh ops e2e
 #
-# Each part runs under its own timeout (T_TESTS, T_OPS, T_SPEC, T_E2E seconds; defaults sum to ~9.7 min),
+# Each part runs under its own timeout (T_TESTS, T_VERIFY, T_OPS, T_SPEC, T_E2E seconds; defaults sum to ~9.8 min),
 # never stops the others, and writes under $OUT (default bench/results/run-<date>):
 #   bench.log  tests.log  ops.json (ops_sweep.json for the part "sweep")  specialise.json/.txt  e2e.json
 #   bench.png  summary.txt
@@ -19,11 +19,12 @@ mkdir -p "$OUT"
 LOG=$OUT/bench.log
 : >"$LOG"
 T_TESTS=${T_TESTS:-120}
-T_OPS=${T_OPS:-270}
+T_OPS=${T_OPS:-220}
 T_E2E=${T_E2E:-130}
 T_SPEC=${T_SPEC:-60}
+T_VERIFY=${T_VERIFY:-60}
 PARTS=${*:-all}
-case " $PARTS " in *" all "*) PARTS="tests ops specialise e2e" ;; esac
+case " $PARTS " in *" all "*) PARTS="tests verify ops specialise e2e" ;; esac
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PATCHDSL_CACHE=${PATCHDSL_CACHE:-/tmp/patchdsl-kernels}
@@ -83,6 +84,13 @@ for part in $PARTS; do
       run_part "$part" "$T_OPS" python3 -m patchdsl.cli bench ops --json "$OUT/$name.json" --no-png \
         --budget $(( T_OPS - 45 )) $sel ${OPS_ARGS:-}
       ;;
+    verify)   # gradient parity of the shipped Qwen3 spec on the full Qwen3-0.6B architecture, bf16
+      run_part verify "$T_VERIFY" sh -c "python3 -m patchdsl.cli verify specs/qwen3.kpatch --model Qwen/Qwen3-0.6B \
+        --full --device cuda --dtype bf16 --batch 4 --seq 1024 --steps 2 --json >'$OUT/verify.json'"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['verdict']); [print('  FAIL', s['path'], s['op'], s['max_rel_err']) for s in d['sites'] if not s['passed']]" \
+        "$OUT/verify.json" 2>&1 | tee -a "$LOG" | tail -n 12 >/tmp/patchdsl-verify.txt
+      status+=("verify: $(head -n 1 /tmp/patchdsl-verify.txt 2>/dev/null)")
+      ;;
     specialise)   # specialised kernel vs the generic (looped/masked) variant of each op
       run_part specialise "$T_SPEC" python3 -m patchdsl.cli bench specialise --json "$OUT/specialise.json" \
         --budget $(( T_SPEC - 25 )) ${SPEC_ARGS:-}
@@ -111,7 +119,8 @@ rm -f "$OUT"/*.tmp
   printf '%s\n' ${status[@]+"${status[@]}"}
   [ -f "$OUT/tests.log" ] && grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 8
   [ -f "$OUT/summary.txt" ] && cat "$OUT/summary.txt"
-  [ -f "$OUT/specialise.txt" ] && cat "$OUT/specialise.txt"
+  [ -f "$OUT/specialise.txt" ] && cat "$OUT/specialise.txt" && cat "$OUT/specialise.txt" >>"$OUT/summary.txt" \
+    && rm -f "$OUT/specialise.txt"    # at most 8 files come back from the device machine
   echo "files: $(cd "$OUT" && ls | tr '\n' ' ')"
 } 2>&1
 exit 0
