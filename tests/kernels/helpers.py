@@ -58,3 +58,22 @@ def assert_close(out, ref, dtype: str, what: str = "", factor: float = 1.0):
 def sizes(cpu: list, gpu: list) -> list:
     """Small shapes on the interpreter, real ones on the GPU."""
     return gpu if ON_GPU else cpu
+
+
+def assert_kernel_globals_constexpr(mod, min_kernels: int = 1) -> None:
+    """Compiled Triton reads module globals inside a @triton.jit function only as tl.constexpr
+    (the interpreter does not care), so check every global each jitted function uses."""
+    import types
+
+    import triton.language as tl
+
+    kinds = ("JITFunction", "InterpretedFunction")
+    jitted = {n: v for n, v in vars(mod).items() if type(v).__name__ in kinds and hasattr(v, "fn")}
+    assert len(jitted) >= min_kernels
+    for name, fn in jitted.items():
+        for g in fn.fn.__code__.co_names:
+            if g not in vars(mod):
+                continue
+            v = vars(mod)[g]
+            assert isinstance(v, (tl.constexpr, types.ModuleType)) or type(v).__name__ in kinds, \
+                f"{name} reads global {g} = {v!r}, which is not a tl.constexpr"

@@ -12,7 +12,7 @@ from patchdsl.ops.base import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.runtime import PatchError, patch_module
 
-from .helpers import DEVICE, TORCH_DTYPES, assert_close, kernel_for, sizes
+from .helpers import assert_kernel_globals_constexpr, DEVICE, TORCH_DTYPES, assert_close, kernel_for, sizes
 
 OP = "fused_layernorm"
 DTYPES = ["fp32", "bf16", "fp16"]
@@ -216,30 +216,10 @@ def test_modules_that_are_not_layernorms_are_refused():
             patch_module(module, OP)
 
 
-def _kernel_globals_are_constexpr(mod):
-    """Compiled Triton reads module globals only as tl.constexpr (the interpreter does not care),
-    so check every global a @triton.jit function uses."""
-    import types
-
-    import triton
-    import triton.language as tl
-
-    kinds = ("JITFunction", "InterpretedFunction")
-    jitted = {n: v for n, v in vars(mod).items() if type(v).__name__ in kinds and hasattr(v, "fn")}
-    assert len(jitted) >= 3
-    for name, fn in jitted.items():
-        for g in fn.fn.__code__.co_names:
-            if g not in vars(mod):
-                continue
-            v = vars(mod)[g]
-            assert isinstance(v, (tl.constexpr, types.ModuleType)) or type(v).__name__ in kinds, \
-                f"{name} reads global {g} = {v!r}, which is not a tl.constexpr"
-
-
 @pytest.mark.parametrize("hidden", [1024, 1000, 2500])
 @pytest.mark.parametrize("bias", [True, False])
 def test_kernel_globals_are_constexpr(hidden, bias):
-    _kernel_globals_are_constexpr(kernel_for(OP, "LayerNorm", {"hidden": hidden, "eps": 1e-5, "bias": bias}, "bf16"))
+    assert_kernel_globals_constexpr(min_kernels=3, mod=kernel_for(OP, "LayerNorm", {"hidden": hidden, "eps": 1e-5, "bias": bias}, "bf16"))
 
 
 def test_cuda_variants_compile_for_sm90(tmp_path):

@@ -12,7 +12,7 @@ from patchdsl.ops.base import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.runtime import PatchError, patch_module
 
-from .helpers import DEVICE, ON_GPU, TORCH_DTYPES, assert_close, kernel_for, sizes
+from .helpers import assert_kernel_globals_constexpr, DEVICE, ON_GPU, TORCH_DTYPES, assert_close, kernel_for, sizes
 
 OP = "fused_rmsnorm"
 DTYPES = ["fp32", "bf16", "fp16"]
@@ -309,30 +309,10 @@ def test_fp32_weight_with_bf16_input_follows_hf_promotion():
         assert_close(o, r, "bf16", what)
 
 
-def _kernel_globals_are_constexpr(mod):
-    """Compiled Triton reads module globals only as tl.constexpr (the interpreter does not care),
-    so check every global a @triton.jit function uses."""
-    import types
-
-    import triton
-    import triton.language as tl
-
-    kinds = ("JITFunction", "InterpretedFunction")
-    jitted = {n: v for n, v in vars(mod).items() if type(v).__name__ in kinds and hasattr(v, "fn")}
-    assert len(jitted) >= 3
-    for name, fn in jitted.items():
-        for g in fn.fn.__code__.co_names:
-            if g not in vars(mod):
-                continue
-            v = vars(mod)[g]
-            assert isinstance(v, (tl.constexpr, types.ModuleType)) or type(v).__name__ in kinds, \
-                f"{name} reads global {g} = {v!r}, which is not a tl.constexpr"
-
-
 @pytest.mark.parametrize("hidden", [1024, 1000, 2500])
 def test_kernel_globals_are_constexpr(hidden):
     for offset, casting in VARIANTS:
-        _kernel_globals_are_constexpr(kernel_for(OP, "RMSNorm", _facts(hidden, 1e-6, offset, casting), "bf16"))
+        assert_kernel_globals_constexpr(min_kernels=3, mod=kernel_for(OP, "RMSNorm", _facts(hidden, 1e-6, offset, casting), "bf16"))
 
 
 def test_cuda_variants_compile_for_sm90(tmp_path):
