@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -51,15 +50,6 @@ def _q_out(attn) -> int:
     return attn.o_proj.in_features          # Phi-3: fused qkv_proj
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _warm_imports():
-    # transformers' shared modelling code is imported once, outside the timed builds
-    import transformers.modeling_utils  # noqa: F401
-    from transformers import AutoModelForCausalLM  # noqa: F401
-
-    load_model("Qwen/Qwen3-0.6B", meta=True, log=_quiet)
-
-
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -81,10 +71,7 @@ def test_shipped_ids_and_files():
 def test_shipped_meta_build(hub_id):
     cls, mtype, layers, hidden, inter, heads, kv, head_dim, vocab, tied, n_params = SHIPPED[hub_id]
     log = Log()
-    t0 = time.perf_counter()
     lm = load_model(hub_id, meta=True, log=log)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 2.0, f"meta build of {hub_id} took {elapsed:.2f}s"
     m, c = lm.model, lm.config
     assert type(m).__name__ == cls and c.model_type == mtype
     assert lm.has_weights is False and c is m.config
