@@ -28,20 +28,23 @@ def path_matches(rule: Rule, path: str) -> bool:
 
 
 def class_match(rule: Rule, info: ModuleInfo, op: Op) -> str | None:
-    """How the rule's class pattern accepts ``info`` (None if it does not)."""
+    """How the rule's class pattern accepts ``info`` (None if it does not).
+
+    Whatever the pattern says, the module must fit one of the op's kinds: a kind alternative
+    names one of those, a class alternative only narrows.
+    """
+    fits = [k for k in op.kinds if k in info.kinds]
+    if not fits:
+        return None
     for alt in rule.class_pattern.alternatives:
         if alt in KIND_NAMES:
-            if alt in info.kinds:
+            if alt in fits:
                 return f"kind {alt}"
             continue
         rx = class_glob_regex(alt)
-        for name in (info.cls,) + info.bases:
-            if rx.match(name):
-                # a class pattern still needs the module to fit one of the op's kinds
-                fits = [k for k in op.kinds if k in info.kinds]
-                if fits:
-                    return f"class {name} ({fits[0]})"
-                return None
+        name = next((n for n in (info.cls,) + info.bases if rx.match(n)), None)
+        if name is not None:
+            return f"class {name} ({fits[0]})"
     return None
 
 
