@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .base import FlagSpec
 from .registry import register
-from .swiglu import FusedGLU
+from .swiglu import GLU_FLAGS, FusedGLU
 
 
 class FusedGeGLU(FusedGLU):
@@ -28,12 +28,7 @@ class FusedGeGLU(FusedGLU):
         FlagSpec("approximate", "choice", "auto",
                  "tanh: tanh-approximate GELU; none: exact erf GELU; auto = what the module computes",
                  choices=("tanh", "none"), auto_ok=True),
-        FlagSpec("in_place", "bool", True,
-                 "backward writes d_gate/d_up over the saved projection outputs (no allocation); "
-                 "false if a hook keeps those outputs"),
-        FlagSpec("block", "int", "auto", "block size in elements (rounded up to a power of two); "
-                 "auto = by intermediate size", auto_ok=True, min=16),
-    )
+    ) + GLU_FLAGS
 
     def activation(self, facts, flags):
         approx = flags.get("approximate", "auto")

@@ -227,6 +227,15 @@ def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -
     return None
 
 
+GLU_FLAGS = (
+    FlagSpec("in_place", "bool", True,
+             "backward writes d_gate/d_up over the saved projection outputs (no allocation); "
+             "false if a hook keeps those outputs"),
+    FlagSpec("block", "int", "auto", "block size in elements (rounded up to a power of two); "
+             "auto = by intermediate size", auto_ok=True, min=16),
+)
+
+
 class FusedSwiGLU(FusedGLU):
     name = "fused_swiglu"
     kinds = ("SwiGLU",)
@@ -235,13 +244,7 @@ class FusedSwiGLU(FusedGLU):
     cls_name = "SwiGLU"
     doc = ("silu(gate) * up fused, forward and backward; saves gate and up only (activation recomputed), "
            "optionally writes the gradients over them; projections stay the module's own (cuBLAS, LoRA ok).")
-    flags = (
-        FlagSpec("in_place", "bool", True,
-                 "backward writes d_gate/d_up over the saved projection outputs (no allocation); "
-                 "false if a hook keeps those outputs"),
-        FlagSpec("block", "int", "auto", "block size in elements (rounded up to a power of two); "
-                 "auto = by intermediate size", auto_ok=True, min=16),
-    )
+    flags = GLU_FLAGS
 
     def activation(self, facts, flags):
         return "silu"
