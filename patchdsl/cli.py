@@ -53,24 +53,18 @@ def main() -> None:
 
 
 def _read_spec(path: str):
-    p = Path(path)
-    if not p.exists():
-        from .resources import specs_dir
+    from .syntax.parser import find_spec_file, parse_spec
 
-        shipped = specs_dir() / (p.name if p.suffix == ".kpatch" else p.name + ".kpatch")
-        if shipped.is_file() and "/" not in path:
-            p = shipped
-        else:
-            raise UsageFailure(f"spec file '{path}' not found")
-    if p.is_dir():
+    if Path(path).is_dir():
         raise UsageFailure(f"'{path}' is a folder, not a spec file")
+    found = find_spec_file(path)
+    if found is None:
+        raise UsageFailure(f"spec file '{path}' not found")
     try:
-        text = p.read_text()
+        text = found.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise UsageFailure(f"cannot read '{path}': {e}") from None
-    from .syntax.parser import parse_spec
-
-    return parse_spec(text, str(path), base_dir=p.parent)
+    return parse_spec(text, str(found), base_dir=found.parent)
 
 
 def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str = "cpu", log=None, tiny=False,

@@ -251,22 +251,33 @@ def _resolve_include(name: str, span: Span, base_dir: Path | None) -> Path:
                     hint=f"looked in {', '.join(str(c.parent) for c in cands)}")
 
 
+def find_spec_file(name: str | Path) -> Path | None:
+    """``name`` itself if it is a file, else the shipped spec it names (``qwen3`` or ``qwen3.kpatch``)."""
+    text = str(name)
+    if "\n" in text or len(text) > 1024:
+        return None
+    p = Path(text)
+    try:
+        if p.is_file():
+            return p
+        if "/" not in text:
+            shipped = specs_dir() / (p.name if p.suffix == ".kpatch" else p.name + ".kpatch")
+            if shipped.is_file():
+                return shipped
+    except OSError:          # not a usable path: spec text
+        return None
+    return None
+
+
 def load_spec(path_or_text: str | Path) -> Spec:
     """Load a spec from a file path, a shipped spec name (``"qwen3"``), or spec text.
 
-    A ``Path``, an existing file, or a string ending in ``.kpatch`` is a file; a bare word that
-    names a shipped spec is that spec; anything else is spec text.
+    A ``Path`` or a string ending in ``.kpatch`` must name a file (or a shipped spec); a string
+    that names neither is spec text.
     """
-    if isinstance(path_or_text, Path) or Path(str(path_or_text)).is_file() or str(path_or_text).endswith(".kpatch"):
-        p = Path(path_or_text)
-        if not p.is_file() and "/" not in str(path_or_text):
-            p = specs_dir() / p.name
-        if not p.is_file():
-            raise SpecError(f"spec file '{path_or_text}' not found")
-        return parse_spec(p.read_text(), str(path_or_text) if Path(path_or_text).is_file() else str(p),
-                          base_dir=p.parent)
-    text = str(path_or_text)
-    shipped = specs_dir() / f"{text}.kpatch"
-    if text.isidentifier() and shipped.is_file():
-        return parse_spec(shipped.read_text(), str(shipped), base_dir=shipped.parent)
-    return parse_spec(text, "<string>")
+    p = find_spec_file(path_or_text)
+    if p is not None:
+        return parse_spec(p.read_text(), str(p), base_dir=p.parent)
+    if isinstance(path_or_text, Path) or str(path_or_text).endswith(".kpatch"):
+        raise SpecError(f"spec file '{path_or_text}' not found")
+    return parse_spec(str(path_or_text), "<string>")
