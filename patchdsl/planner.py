@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .check import CheckedSpec, check_spec
@@ -121,14 +121,6 @@ def _leaf(path: str) -> str:
     return path.rsplit(".", 1)[-1] if path else "<root>"
 
 
-def _merged_info(info: ModuleInfo, host: ModuleInfo | None) -> ModuleInfo:
-    if host is None or host.path == info.path:
-        return info
-    kinds = dict(host.kinds)
-    kinds.update(info.kinds)
-    return replace(info, kinds=kinds)
-
-
 def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
                dtypes: tuple[str, ...] | None = None) -> PatchPlan:
     """Resolve a checked spec against a model index.  Pure."""
@@ -188,7 +180,7 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         hosts[host] = path
         flags = {k: v.value for k, v in st["flags"].items()}
         sources = {k: v.source for k, v in st["flags"].items()}
-        minfo = _merged_info(info, index.infos.get(host))
+        minfo = info.with_host(index.infos.get(host))
         keys = []
         for dt in dts:
             params = op.key_params(minfo, flags, dt, target)
@@ -204,7 +196,7 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
     totals = tuple((name, patched[name], present[name]) for name in dict.fromkeys(
         [_leaf(s.path) for s in sites] + [_leaf(c) for c in covered]))
     used = set(order) | set(covered) | {s.host for s in sites}
-    infos = {p: _merged_info(index.infos[p], None) for p in index.infos if p in used}
+    infos = {p: index.infos[p] for p in index.infos if p in used}
     return PatchPlan(spec.path, index.model_class, index.model_type, target, dts, tuple(sites),
                      tuple(unmatched), totals, infos)
 

@@ -106,6 +106,15 @@ class ModuleInfo:
     def facts(self, kind: str) -> Mapping[str, Any]:
         return self.kinds.get(kind, {})
 
+    def with_host(self, host: "ModuleInfo | None") -> "ModuleInfo":
+        """This site's info with the facts of the module it patches through (the causal LM for
+        fused_linear_cross_entropy on lm_head) added; the site's own facts win."""
+        if host is None or host.path == self.path:
+            return self
+        from dataclasses import replace
+
+        return replace(self, kinds={**host.kinds, **self.kinds})
+
 
 class Op:
     """Base class of every op.  Subclasses set the class attributes and override the methods."""

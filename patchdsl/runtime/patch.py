@@ -7,8 +7,12 @@ from typing import Any, Callable
 
 from ..codegen import KernelKey, load_kernel
 from ..codegen.env import target as detect_target
+from ..index import build_index
 from ..ops.base import ModuleInfo, Op
+from ..ops.kinds import unwrap
 from ..ops.registry import get_op
+from ..planner import PatchPlan
+from ..planner import plan as make_plan
 from ..ops.rmsnorm import dtype_name
 
 _MISSING = object()
@@ -103,8 +107,6 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
     A site whose module does not fit its op is refused with a one-line reason (``handle.refused``)
     and left unpatched; ``strict=True`` raises PatchError instead.
     """
-    from ..planner import PatchPlan, plan as make_plan
-
     target = target or detect_target()
     plan = plan_or_spec if isinstance(plan_or_spec, PatchPlan) else make_plan(plan_or_spec, model, target=target)
     if plan.model_class != type(model).__name__:
@@ -123,13 +125,9 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                 raise PatchError(f"{site.host or '<model>'} is already patched ({owner}); undo that handle first")
             info = plan.infos.get(site.path)
             if info is None:
-                from ..index import build_index
                 info = build_index(module).infos[""]
-            if site.host != site.path and site.host in plan.infos:
-                from ..planner import _merged_info
-                info = _merged_info(info, plan.infos[site.host])
+            info = info.with_host(plan.infos.get(site.host))
             flags = site.flag_dict
-            from ..ops.kinds import unwrap
             reason = op.check(unwrap(module), info, flags)
             if reason is None and host is not module:
                 # ops hosted elsewhere (the loss path on the causal LM) also vet the host
@@ -155,9 +153,6 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
 
 def patch_module(module: Any, op_name: str, *, target: str | None = None, **flags: Any) -> PatchHandle:
     """Patch one module with one op (no spec): for tests and for programmatic use."""
-    from ..index import build_index
-    from ..ops.kinds import unwrap
-
     op = get_op(op_name)
     if op is None:
         raise PatchError(f"unknown op {op_name!r}")

@@ -92,7 +92,6 @@ def accepted_sites(op, model, index, flags):
     """(site path, merged info, host module, host path) of every module ``op`` accepts, one per
     host, chosen the way the runtime does: the op's kinds, its ``host``, its ``check``."""
     from patchdsl.ops.kinds import unwrap
-    from patchdsl.planner import _merged_info
 
     out, hosts = [], set()
     for info in index:
@@ -101,7 +100,7 @@ def accepted_sites(op, model, index, flags):
         host_path = op.host(info, index)
         if host_path in hosts:        # one op per host, as the runtime does
             continue
-        minfo = _merged_info(info, index.infos.get(host_path))
+        minfo = info.with_host(index.infos.get(host_path))
         module = model.get_submodule(info.path) if info.path else model
         host = model.get_submodule(host_path) if host_path else model
         reason = op.check(unwrap(module), minfo, flags)
