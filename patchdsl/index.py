@@ -12,7 +12,7 @@ from typing import Any, Iterator, Mapping
 
 from .ops.base import ModuleInfo
 from .ops.registry import kinds
-from .ops.rmsnorm import dtype_name
+from .ops.common import dtype_name
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
-from .rmsnorm import next_pow2, row_warps
+from .common import next_pow2, row_warps
 
 LOSS_FLAGS = (
     FlagSpec("ignore_index", "int", -100, "label value that contributes no loss (HF: -100)"),
@@ -28,7 +28,7 @@ LOSS_FLAGS = (
              "(keeps the rows in flight in L2 between the two passes); auto = by row length", auto_ok=True, min=0),
 )
 
-INTERP_BLOCK = 1024          # the interpreter's row block cap (as rmsnorm.row_block)
+INTERP_BLOCK = 1024          # the interpreter's row block cap (as common.row_block)
 CUDA_SINGLE_MAX = 16384      # rows up to this long are done in one pass on the GPU
 CUDA_LOOP_BLOCK = 8192       # block of the looped variant on the GPU
 CUDA_LOOP_WARPS = 16

@@ -6,7 +6,8 @@ from typing import Any, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
-from .rmsnorm import next_pow2, resolve_auto, row_block, row_launch
+from .common import next_pow2, resolve_auto, row_block
+from .rmsnorm import row_launch
 
 
 class FusedLayerNorm(Op):

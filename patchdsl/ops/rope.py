@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
-from .rmsnorm import next_pow2
+from .common import next_pow2
 
 SUPPORTED_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
-from .rmsnorm import next_pow2, row_block
+from .common import next_pow2, row_block
 
 # Largest single-pass block on the GPU; longer rows loop over tiles of CUDA_LOOP_BLOCK.  Measured on
 # an H200 (bf16, 50M elements): every choice from 1024 to 8192 is within ~3% of torch.mul's

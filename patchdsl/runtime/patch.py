@@ -13,7 +13,7 @@ from ..ops.kinds import unwrap
 from ..ops.registry import get_op
 from ..planner import PatchPlan
 from ..planner import plan as make_plan
-from ..ops.rmsnorm import dtype_name
+from ..ops.common import dtype_name
 
 _MISSING = object()
 SITE_ATTR = "_patchdsl_site"
