@@ -198,29 +198,17 @@ def _stand_in_classes():
 def _stand_in_layer(module: Any, hidden: int):
     import torch
 
-    from .kinds import _stand_in
+    from .kinds import stand_in
 
     Norm, Attn, MLP, Trap = _stand_in_classes()
     g = torch.Generator().manual_seed(3)
-    clone = type(module).__new__(type(module))
-    d = dict(module.__dict__)
-    d.pop("forward", None)
-    for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-              "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
-        if k in d:
-            d[k] = OrderedDict()
-    d["_parameters"] = OrderedDict()
-    d["_buffers"] = OrderedDict()
     mods = OrderedDict((k, Trap()) for k in module.__dict__["_modules"])
     pln = module.post_attention_layernorm
     mods["input_layernorm"] = Norm()
     mods["self_attn"] = Attn()
-    mods["post_attention_layernorm"] = _stand_in(pln, weight=torch.randn(hidden, generator=g) * 0.5 + 0.2)
+    mods["post_attention_layernorm"] = stand_in(pln, weight=torch.randn(hidden, generator=g) * 0.5 + 0.2)
     mods["mlp"] = MLP()
-    d["_modules"] = mods
-    d["training"] = False
-    clone.__dict__.update(d)
-    return clone
+    return stand_in(module, modules=mods, training=False)
 
 
 def probe_structure(module: Any, facts: Mapping[str, Any]) -> str | None:

@@ -10,7 +10,7 @@ known weights and compares the output bit for bit with each candidate formula.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Mapping
 
 from .registry import kind
 
@@ -56,17 +56,27 @@ def _eps(m: Any) -> float | None:
     return None
 
 
-def _stand_in(m: Any, **params):
-    """A shallow CPU copy of ``m`` whose parameters are ``params`` (for probing its forward)."""
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def stand_in(m: Any, *, modules: Mapping[str, Any] | None = None, training: bool | None = None, **params):
+    """A shallow CPU copy of ``m`` for probing its class's forward: its parameters are ``params``,
+    its children ``modules``, no buffers, no hooks, no instance-level forward.  ``m`` is untouched."""
     torch = _torch()
     clone = m.__class__.__new__(m.__class__)
     d = dict(m.__dict__)
     d.pop("forward", None)
+    for k in _HOOK_DICTS:
+        if k in d:
+            d[k] = OrderedDict()
     # parameters registered as None (e.g. nn.LayerNorm(bias=False)) stay None on the stand-in
     d["_parameters"] = OrderedDict((k, None) for k, v in m._parameters.items() if v is None)
     d["_parameters"].update((k, torch.nn.Parameter(v, requires_grad=False)) for k, v in params.items())
     d["_buffers"] = OrderedDict()
-    d["_modules"] = OrderedDict()
+    d["_modules"] = OrderedDict(modules or {})
+    if training is not None:
+        d["training"] = training
     clone.__dict__.update(d)
     return clone
 
@@ -95,7 +105,7 @@ def rmsnorm(m: Any) -> dict | None:
     x = torch.randn(3, h, generator=g)
     wt = torch.randn(h, generator=g) * 0.5
     try:
-        out32 = _run_class_forward(m, _stand_in(m, weight=wt.clone()), x.clone())
+        out32 = _run_class_forward(m, stand_in(m, weight=wt.clone()), x.clone())
     except Exception:
         return None
     if not isinstance(out32, torch.Tensor) or out32.shape != x.shape:
@@ -111,7 +121,7 @@ def rmsnorm(m: Any) -> dict | None:
     # Cast order, probed in bf16: llama = cast the normalised value, then scale in the input dtype;
     # gemma = scale in fp32, then cast.
     xb, wb = x.bfloat16(), wt.bfloat16()
-    outb = _run_class_forward(m, _stand_in(m, weight=wb.clone()), xb.clone())
+    outb = _run_class_forward(m, stand_in(m, weight=wb.clone()), xb.clone())
     nb = xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + eps)
     llama = (offset + wb) * nb.to(torch.bfloat16) if offset else wb * nb.to(torch.bfloat16)
     gemma = (nb * (offset + wb.float())).to(torch.bfloat16)
@@ -145,7 +155,7 @@ def layernorm(m: Any) -> dict | None:
         bt = torch.randn(h, generator=g)
         params["bias"] = bt
     try:
-        out = _run_class_forward(m, _stand_in(m, **params), x)
+        out = _run_class_forward(m, stand_in(m, **params), x)
     except Exception:
         return None
     ref = torch.nn.functional.layer_norm(x, (h,), wt, bt, eps)

@@ -171,7 +171,7 @@ def probe_forward(module: Any, facts: Mapping[str, Any], activation: str, where:
 def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -> str | None:
     import torch
 
-    from .kinds import _stand_in
+    from .kinds import stand_in
 
     g = torch.Generator().manual_seed(7)
     h, i = 8, 12
@@ -193,8 +193,7 @@ def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -
     # The stand-in and shallow copies of its other children (the activation, a dropout, ...) run in
     # training mode, the mode the patched forward will replace: a dropout with p > 0 that the
     # fused forward would skip makes the outputs differ.  Nothing of ``module`` is mutated.
-    clone = _stand_in(module)
-    clone.__dict__["training"] = True
+    clone = stand_in(module, training=True)
     for k, v in module._modules.items():
         if k not in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") and v is not None:
             c = copy.copy(v)
