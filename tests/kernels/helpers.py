@@ -77,3 +77,23 @@ def assert_kernel_globals_constexpr(mod, min_kernels: int = 1) -> None:
             v = vars(mod)[g]
             assert isinstance(v, (tl.constexpr, types.ModuleType)) or type(v).__name__ in kinds, \
                 f"{name} reads global {g} = {v!r}, which is not a tl.constexpr"
+
+
+def ce_reference(x, y, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean",
+               num_items=None):
+    """Float64 loss with HF's reduction rules (sum / num_items when given), torch's smoothing."""
+    x = x.double()
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    lse = torch.logsumexp(x, -1)
+    valid = y != ignore_index
+    tgt = x.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
+    per = (1 - label_smoothing) * (lse - tgt) + label_smoothing * (lse - x.mean(-1)) + z_loss * lse * lse
+    per = torch.where(valid, per, torch.zeros_like(per))
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    if num_items is not None:
+        return per.sum() / (num_items.double() if torch.is_tensor(num_items) else num_items)
+    return per.sum() / valid.sum().clamp_min(1)

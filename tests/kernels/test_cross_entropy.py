@@ -17,7 +17,7 @@ from patchdsl.codegen import KernelKey, render
 from patchdsl.ops.base import FlagTypeError, ModuleInfo
 from patchdsl.ops.registry import get_op
 
-from .helpers import DEVICE, TORCH_DTYPES, TOL, assert_close, kernel_for, rel_err, sizes
+from .helpers import ce_reference as reference, DEVICE, TORCH_DTYPES, TOL, assert_close, kernel_for, rel_err, sizes
 
 OP = "fused_cross_entropy"
 LOSS_TOL = 2e-6      # the loss is fp32 math on the given logits in every dtype
@@ -29,26 +29,6 @@ def facts(vocab, softcap=None):
 
 def kernels(vocab, dtype, **flags):
     return kernel_for(OP, "CausalLM", facts(vocab), dtype, flags)
-
-
-def reference(x, y, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean",
-              num_items=None):
-    """Float64 loss with HF's reduction rules (sum / num_items when given), torch's smoothing."""
-    x = x.double()
-    if softcap:
-        x = softcap * torch.tanh(x / softcap)
-    lse = torch.logsumexp(x, -1)
-    valid = y != ignore_index
-    tgt = x.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
-    per = (1 - label_smoothing) * (lse - tgt) + label_smoothing * (lse - x.mean(-1)) + z_loss * lse * lse
-    per = torch.where(valid, per, torch.zeros_like(per))
-    if reduction == "none":
-        return per
-    if reduction == "sum":
-        return per.sum()
-    if num_items is not None:
-        return per.sum() / (num_items.double() if torch.is_tensor(num_items) else num_items)
-    return per.sum() / valid.sum().clamp_min(1)
 
 
 def inputs(rows, vocab, dtype, seed, ignore_rows=(), scale=3.0):

@@ -14,7 +14,7 @@ from patchdsl.codegen import KernelKey, render
 from patchdsl.ops.base import ModuleInfo
 from patchdsl.ops.registry import get_op
 
-from .helpers import DEVICE, ON_GPU, TORCH_DTYPES, TOL, assert_close, kernel_for, sizes
+from .helpers import ce_reference, DEVICE, ON_GPU, TORCH_DTYPES, TOL, assert_close, kernel_for, sizes
 
 OP = "fused_linear_cross_entropy"
 
@@ -48,20 +48,8 @@ def reference(h, w, b, y, label_smoothing=0.0, softcap=None, z_loss=0.0, reducti
         x = x + b
     if logits_scaling:
         x = x / logits_scaling
-    if softcap:
-        x = softcap * torch.tanh(x / softcap)
-    lse = torch.logsumexp(x, -1)
-    valid = y != -100
-    tgt = x.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
-    per = (1 - label_smoothing) * (lse - tgt) + label_smoothing * (lse - x.mean(-1)) + z_loss * lse * lse
-    per = torch.where(valid, per, torch.zeros_like(per))
-    if reduction == "none":
-        return per
-    if reduction == "sum":
-        return per.sum()
-    if num_items is not None:
-        return per.sum() / (num_items.double() if torch.is_tensor(num_items) else num_items)
-    return per.sum() / valid.sum().clamp_min(1)
+    return ce_reference(x, y, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                        reduction=reduction, num_items=num_items)
 
 
 def run_both(mod, h, w, b, y, g, ref_kw=None, num_items=None, grad_output=None):
