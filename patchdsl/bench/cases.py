@@ -471,13 +471,15 @@ class GLUFamily(Family):
 
         return hf_glu
 
-    def liger(self, params, shape):
-        fn = _liger("liger_kernel.ops", "LigerSiLUMulFunction").apply
+    liger_function = "LigerSiLUMulFunction"
 
-        def liger_swiglu(gate, up):
+    def liger(self, params, shape):
+        fn = _liger("liger_kernel.ops", self.liger_function).apply
+
+        def liger_glu(gate, up):
             return fn(gate, up)
 
-        return liger_swiglu
+        return liger_glu
 
 
 class GeGLUFamily(GLUFamily):
@@ -492,13 +494,7 @@ class GeGLUFamily(GLUFamily):
                                    head_dim=256, vocab_size=1000, hidden_activation="gelu_pytorch_tanh")
         return _meta_lm(cfg, dtype), ["model.layers.0.mlp"]
 
-    def liger(self, params, shape):
-        fn = _liger("liger_kernel.ops", "LigerGELUMulFunction").apply
-
-        def liger_geglu(gate, up):
-            return fn(gate, up)
-
-        return liger_geglu
+    liger_function = "LigerGELUMulFunction"
 
 
 # ----------------------------------------------------------------------------- RoPE
