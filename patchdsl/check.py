@@ -81,9 +81,10 @@ def _check_kinds(rule: Rule, op: Op) -> None:
             close = did_you_mean(a, KIND_NAMES)
             if close and a.lower() in {k.lower() for k in KIND_NAMES}:
                 raise SpecError(f"unknown kind '{a}'", rule.class_pattern.span, hint=close)
-    if kinds and len(kinds) == len(alts) and not any(k in op.kinds for k in kinds):
+    bad = [k for k in kinds if k not in op.kinds]
+    if bad:
         raise SpecError(
-            f"{op.name} replaces {' or '.join(op.kinds)} modules, not {' or '.join(kinds)}",
+            f"{op.name} replaces {' or '.join(op.kinds)} modules, not {' or '.join(bad)}",
             rule.class_pattern.span, hint=f"write '{op.kinds[0]} -> {op.name}'")
 
 

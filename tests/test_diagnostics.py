@@ -24,6 +24,7 @@ CHECK_ERRORS = [
     ("*.norm: RMSNorm -> fused_rmsnorm(eps=1, eps=2)\n", "flag 'eps' given twice", 1, 41, None),
     ("*.norm: RMSnorm -> fused_rmsnorm\n", "unknown kind 'RMSnorm'", 1, 9, "did you mean 'RMSNorm'?"),
     ("*.mlp: SwiGLU -> fused_rmsnorm\n", "fused_rmsnorm replaces RMSNorm modules, not SwiGLU", 1, 8, None),
+    ("*: Linear|*Norm -> fused_rmsnorm\n", "fused_rmsnorm replaces RMSNorm modules, not Linear", 1, 4, None),
     ("model.layers.{5..2}.mlp: SwiGLU -> fused_rmsnorm\n", "empty range {5..2}", 1, 14, None),
     ("default fused_rmsnrm(eps=1e-6)\n", "unknown op 'fused_rmsnrm'", 1, 9, "did you mean"),
     ("dtype bf16\ndtype fp32\n", "'dtype' given twice", 2, 1, None),

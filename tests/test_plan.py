@@ -58,9 +58,9 @@ PRECEDENCE = [
     ("*.q_norm: Qwen3RMSNorm -> fused_rmsnorm", "model.layers.0.self_attn.q_norm", "fused_rmsnorm", {}, {}),
     ("*.q_norm: *RMSNorm -> fused_rmsnorm", "model.layers.0.self_attn.q_norm", "fused_rmsnorm", {}, {}),
     ("*norm: LlamaRMSNorm|Qwen3RMSNorm -> fused_rmsnorm", "model.norm", "fused_rmsnorm", {}, {}),
-    # a kind alternative the op cannot replace never selects a module (Linear is not an RMSNorm)
-    ("model.layers.0.*: Linear|*Norm -> fused_rmsnorm", "model.layers.0.self_attn.q_proj", None, {}, {}),
-    ("model.layers.0.*: Linear|*Norm -> fused_rmsnorm", "model.layers.0.input_layernorm", "fused_rmsnorm", {}, {}),
+    # kinds and class patterns mixed
+    ("model.layers.0.*: RMSNorm|*MLP -> fused_rmsnorm", "model.layers.0.input_layernorm", "fused_rmsnorm", {}, {}),
+    ("model.layers.0.*: RMSNorm|*MLP -> fused_rmsnorm", "model.layers.0.mlp", None, {}, {}),
     # a selector that matches more than the kind only patches what fits
     ("model.layers.0.*: RMSNorm -> fused_rmsnorm", "model.layers.0.mlp", None, {}, {}),
 ]
