@@ -2,7 +2,7 @@
 # One call on the H200: kernel tests at real sizes, per-op benchmarks, end-to-end training.
 #
 #   bash bench/gpu_all.sh            # = all: tests, ops (issue shapes, then the sweep), specialise, e2e
-#   bash bench/gpu_all.sh ops        # parts, in any combination: tests ops issue sweep specialise e2e
+#   bash bench/gpu_all.sh ops        # parts, in any combination: tests verify ops issue sweep specialise profile e2e
 #   OPS_ARGS="--ops rmsnorm,swiglu" E2E_ARGS="--variants hf,patchdsl,compile" bash bench/gpu_all.sh ops e2e
 #
 # Each part runs under its own timeout (T_TESTS, T_VERIFY, T_OPS, T_SPEC, T_E2E seconds; defaults sum to 9 min),
@@ -22,7 +22,8 @@ T_TESTS=${T_TESTS:-120}
 T_OPS=${T_OPS:-200}
 T_E2E=${T_E2E:-120}
 T_SPEC=${T_SPEC:-50}
-T_VERIFY=${T_VERIFY:-60}
+T_VERIFY=${T_VERIFY:-150}
+T_PROF=${T_PROF:-80}
 PARTS=${*:-all}
 case " $PARTS " in *" all "*) PARTS="tests verify ops specialise e2e" ;; esac
 
@@ -72,15 +73,16 @@ for part in $PARTS; do
   case $part in
     tests)
       t0=$(date +%s)
-      # 8 workers when pytest-xdist is there (the image has it); the sm_90 compile-only checks ran in CI already
-      xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 8"
-      say "tests (limit ${T_TESTS}s): pytest tests/kernels -q $xd"
-      timeout -k 10 "$T_TESTS" python3 -m pytest tests/kernels -q $xd -p no:cacheprovider \
+      # 12 workers when pytest-xdist is there (the image has it); the sm_90 compile-only checks ran in CI already
+      xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n ${TEST_WORKERS:-12}"
+      say "tests (limit ${T_TESTS}s): pytest tests/kernels -v $xd"
+      timeout -k 10 "$T_TESTS" python3 -m pytest tests/kernels -v -rfE --durations=15 $xd -p no:cacheprovider \
         --deselect tests/kernels/test_cuda_compile.py >"$OUT/tests.log" 2>&1
       rc=$?
       what="rc $rc"; { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && what="TIMED OUT"
       say "tests: $what after $(( $(date +%s) - t0 ))s: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -n 1)"
       status+=("tests: $what: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -n 1)")
+      grep -E "(FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$LOG"
       ;;
     ops|issue|sweep)
       sel=""; name=ops; [ "$part" = issue ] && sel="--no-sweep"; [ "$part" = sweep ] && sel="--sweep-only" && name=ops_sweep
@@ -89,7 +91,7 @@ for part in $PARTS; do
       ;;
     verify)   # gradient parity of the shipped Qwen3 spec on the full Qwen3-0.6B architecture, bf16
       run_part verify "$T_VERIFY" sh -c "python3 -m patchdsl.cli verify specs/qwen3.kpatch --model Qwen/Qwen3-0.6B \
-        --full --device cuda --dtype bf16 --batch 4 --seq 1024 --steps 2 --json >'$OUT/verify.json'"
+        --full --device cuda --dtype bf16 --batch 4 --seq 1024 --steps 2 --json --progress >'$OUT/verify.json'"
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['verdict']); [print('  FAIL', s['path'], s['op'], s['max_rel_err']) for s in d['sites'] if not s['passed']]" \
         "$OUT/verify.json" 2>&1 | tee -a "$LOG" | tail -n 12 >/tmp/patchdsl-verify.txt
       status+=("verify: $(head -n 1 /tmp/patchdsl-verify.txt 2>/dev/null)")
@@ -98,11 +100,14 @@ for part in $PARTS; do
       run_part specialise "$T_SPEC" python3 -m patchdsl.cli bench specialise --json "$OUT/specialise.json" \
         --budget $(( T_SPEC - 25 )) ${SPEC_ARGS:-}
       ;;
+    profile)   # torch.profiler kernel tables (qk_norm_rope, linear CE, one e2e training step), into bench.log
+      run_part profile "$T_PROF" python3 bench/profile_gpu.py ${PROF_ARGS:-}
+      ;;
     e2e)
       run_part e2e "$T_E2E" python3 -m patchdsl.cli bench e2e --json "$OUT/e2e.json" --no-png \
         --budget $(( T_E2E - 35 )) ${E2E_ARGS:-}
       ;;
-    *) say "unknown part '$part' (use: all tests ops issue sweep specialise e2e)" ;;
+    *) say "unknown part '$part' (use: all tests verify ops issue sweep specialise profile e2e)" ;;
   esac
 done
 

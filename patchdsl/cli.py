@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -281,7 +282,8 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
 @click.option("--device", help="cpu or cuda (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json) -> None:
+@click.option("--progress", is_flag=True, help="Say on stderr what runs, with elapsed seconds.")
+def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, progress) -> None:
     """Prove gradient parity of the patched model against a float64 reference."""
     from .parity import verify as run_verify
 
@@ -297,7 +299,15 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json) -
                            log=lambda m: None).model
 
     _load_model(model, meta=True, tiny=tiny)   # validate the model id early (exit 2) and say where it came from
-    report = run_verify(sp, factory, dtype=dtype, batch=batch, seq=seq, steps=steps, seed=seed, device=device)
+    t0 = time.perf_counter()
+
+    def say(m: str) -> None:
+        click.echo(f"[verify {time.perf_counter() - t0:7.1f}s] {m}", err=True)
+
+    report = run_verify(sp, factory, dtype=dtype, batch=batch, seq=seq, steps=steps, seed=seed, device=device,
+                        log=say if progress else None)
+    if progress:
+        say("done")
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2, default=str))
     else:

@@ -163,12 +163,15 @@ def test_wrong_variant_is_flagged_and_fails_the_cli(tmp_path, monkeypatch, capsy
     assert " BAD" in capsys.readouterr().out
 
 
-def test_same_kernel_and_budget(tmp_path):
+def test_same_kernel_and_budget(tmp_path, monkeypatch):
+    # programs_per_sm=0 is what auto picks for cross entropy: the variant gives the auto kernel again
+    monkeypatch.setitem(sp.GENERIC, "cross_entropy",
+                        (sp.Variant("row_per_program", lambda p: {"programs_per_sm": 0}, "one program per row"),))
     o = sp.Options(device="cpu", dtype="bf16", ops=("cross_entropy",), tiny=True, quiet=True,
                    json_path=str(tmp_path / "a.json"))
     doc = sp.run_specialise(o)
     same = [r for r in doc["results"] if r["variant"] == "row_per_program"]
-    assert same and same[0]["status"] == "same kernel"          # no persistent grid on the interpreter anyway
+    assert same and same[0]["status"] == "same kernel"
     assert "time_ms" not in same[0] and not sp.wrong(doc)
     doc = sp.run_specialise(sp.Options(device="cpu", ops=("rmsnorm", "swiglu"), tiny=True, quiet=True, budget_s=0.0))
     assert [r["status"] for r in doc["results"]] == ["skipped", "skipped"] and doc["complete"]
@@ -179,3 +182,15 @@ def test_unknown_op_is_a_usage_error(tmp_path, capsys):
 
     assert run(["specialise", "--json", str(tmp_path / "x.json"), "--device", "cpu", "--ops", "nope"]) == 2
     assert "unknown op" in capsys.readouterr().err
+
+
+def test_tune_candidates_are_rows_of_their_own(tmp_path):
+    """--tune adds the TUNE launch candidates, marked as such and kept out of the generic verdict."""
+    o = sp.Options(device="cpu", dtype="bf16", ops=("qk_norm_rope",), tiny=True, quiet=True, tune=True,
+                   json_path=str(tmp_path / "t.json"))
+    doc = sp.run_specialise(o)
+    tuned = [r for r in doc["results"] if r.get("tune")]
+    assert {r["variant"] for r in tuned} == {v.name for v in sp.TUNE["qk_norm_rope"]}
+    assert all(r["status"] == "ok" and r["correct"] for r in tuned), tuned
+    assert all(r["params"]["bwd_programs_per_sm"] == r["flags"]["bwd_programs_per_sm"] for r in tuned)
+    assert not sp.wrong(doc)

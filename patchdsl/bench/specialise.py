@@ -88,13 +88,29 @@ GENERIC: dict[str, tuple[Variant, ...]] = {
     "rope": (Variant("generic", lambda p: {"block": _head_tile(p)}, "head tile = auto/4: heads looped"),),
     "qk_norm_rope": (Variant("generic", lambda p: {"block": _head_tile(p)}, "head tile = auto/4: heads looped"),),
     "cross_entropy": (
-        Variant("row_per_program", lambda p: {"programs_per_sm": 0}, "one program per row (no persistent grid)"),
         Variant("generic", lambda p: {"block": _smaller_block(p, 8), "programs_per_sm": 0},
                 "block = auto/8 and one program per row"),
     ),
     "linear_cross_entropy": (
         Variant("generic", lambda p: {"block": _smaller_block(p, 8), "programs_per_sm": 0},
                 "row kernel: block = auto/8 and one program per row"),
+    ),
+}
+
+# Launch choices measured against the auto kernel with ``--tune`` (not "generic" forms: candidates
+# for the auto defaults; ratio < 1 means the candidate was faster).
+TUNE: dict[str, tuple[Variant, ...]] = {
+    "cross_entropy": (
+        Variant("persistent_1", lambda p: {"programs_per_sm": 1}, "persistent grid, 1 program per SM"),
+        Variant("persistent_2", lambda p: {"programs_per_sm": 2}, "persistent grid, 2 programs per SM"),
+    ),
+    "linear_cross_entropy": tuple(
+        Variant(f"chunk_{c}", lambda p, c=c: {"chunk": c}, f"{c} tokens per chunk") for c in (512, 1024, 2048)
+    ) + (Variant("chunk_1024_pps1", lambda p: {"chunk": 1024, "programs_per_sm": 1},
+                 "1024 tokens per chunk, persistent row kernel 1/SM"),),
+    "qk_norm_rope": tuple(
+        Variant(f"bwd_pps_{n}", lambda p, n=n: {"bwd_programs_per_sm": n}, f"backward grid {n} programs per SM")
+        for n in (1, 16, 32)
     ),
 }
 
@@ -106,6 +122,7 @@ class Options:
     ops: tuple[str, ...] | None = None
     tiny: bool = False
     eager: bool = False             # also time the HF eager form (what an unpatched model runs)
+    tune: bool = False              # also time the TUNE candidates
     budget_s: float = 1e9
     target_ms: float = 60.0
     json_path: str | None = None
@@ -254,7 +271,7 @@ def run_shape(fam: Family, shape: dict, o: Options, ctx: runner.Context, target:
     except Exception as e:
         return [{**base, "variant": "auto", "status": "error", "error": runner._short(e)}]
     todo: list[tuple[str, dict, Any, str, str]] = [("auto", {}, auto_key, auto_rule, "what the planner picks")]
-    for v in GENERIC.get(fam.name, ()):
+    for v in GENERIC.get(fam.name, ()) + (TUNE.get(fam.name, ()) if o.tune else ()):
         try:
             flags = v.flags(auto_key.param_dict)
             key, rule = plan_variant(fam, shape, o.dtype, target, flags)
@@ -268,7 +285,8 @@ def run_shape(fam: Family, shape: dict, o: Options, ctx: runner.Context, target:
     auto_src = None
     for vname, flags, key, rule, what in todo:
         rec: dict[str, Any] = {**base, "variant": vname, "flags": flags, "why": what, "rule": rule,
-                               "kernel": key.name, "status": "ok"}
+                               "kernel": key.name, "status": "ok",
+                               "tune": any(v.name == vname for v in TUNE.get(fam.name, ()))}
         try:
             from ..codegen import render
 
@@ -458,13 +476,17 @@ def table(doc: dict) -> str:
                      f"{err:.1e}" if isinstance(err, float) else "-",
                      (f"{va:.1e}" if isinstance(va, float) else "-") + bad]
         lines.append("  ".join(c[:n].ljust(n) if i < len(cells) - 1 else c for i, (c, n) in enumerate(zip(cells, w))))
-    ratios = [r["ratio"] for r in res if isinstance(r.get("ratio"), float) and r["variant"] != "hf_eager"]
+    timed = [r for r in res if isinstance(r.get("ratio"), float) and r["variant"] != "hf_eager"]
+    ratios = [r["ratio"] for r in timed if not r.get("tune")]
     if ratios and not cpu:
-        slower = [f"{r['op']} {r['label']} {r['variant']}" for r in res if isinstance(r.get("ratio"), float)
-                  and r["variant"] != "hf_eager" and r["ratio"] < 1.0]
+        slower = [f"{r['op']} {r['label']} {r['variant']}" for r in timed if not r.get("tune") and r["ratio"] < 1.0]
         lines.append(f"generic/specialised: min {min(ratios):.2f}, geomean "
                      f"{math.exp(sum(math.log(x) for x in ratios) / len(ratios)):.2f}; "
                      + (f"generic FASTER for: {'; '.join(slower)}" if slower else "specialised never slower"))
+    better = [f"{r['op']} {r['label']} {r['variant']} ({r['ratio']:.2f})" for r in timed
+              if r.get("tune") and r["ratio"] < 1.0]
+    if better and not cpu:
+        lines.append("tuning candidates faster than auto: " + "; ".join(better))
     return "\n".join(lines)
 
 
@@ -478,6 +500,7 @@ def add_parser(sub) -> None:
     s.add_argument("--ops", help="comma-separated op families (default: all)")
     s.add_argument("--tiny", action="store_true", help="tiny shapes (default on the CPU)")
     s.add_argument("--eager", action="store_true", help="also time HF eager, for scale")
+    s.add_argument("--tune", action="store_true", help="also time launch-choice candidates for the auto defaults")
     s.add_argument("--budget", type=float, default=1e9, help="seconds; shapes not started by then are skipped")
     s.add_argument("--target-ms", type=float, default=60.0, help="timed replays per measurement, in ms")
     s.add_argument("--seed", type=int, default=runner.SEED)
@@ -492,7 +515,7 @@ def main(a, device: str, out_dir) -> int:
     path = a.json or str(Path(out_dir) / "specialise.json")
     txt = a.txt or str(Path(path).with_suffix(".txt"))
     o = Options(txt_path=txt, device=device, dtype=a.dtype, ops=_csv(a.ops), tiny=a.tiny or not timing.is_cuda(device),
-                eager=a.eager, budget_s=a.budget, target_ms=a.target_ms, json_path=path, seed=a.seed, quiet=a.quiet)
+                eager=a.eager, tune=a.tune, budget_s=a.budget, target_ms=a.target_ms, json_path=path, seed=a.seed, quiet=a.quiet)
     try:
         doc = run_specialise(o)
     except ValueError as ex:

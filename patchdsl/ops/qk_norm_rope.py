@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
+from .common import resolve_auto
 from .registry import register
 from .rope import ROPE_FLAGS, SUPPORTED_DTYPES, attention_reason, rope_geometry
 
@@ -42,7 +43,11 @@ class FusedQKNormRope(Op):
         FlagSpec("casting", "choice", "auto",
                  "llama: cast then scale; gemma: scale in fp32 then cast; auto = probed from q_norm",
                  choices=("llama", "gemma"), auto_ok=True),
-    ) + ROPE_FLAGS
+    ) + ROPE_FLAGS + (
+        FlagSpec("bwd_programs_per_sm", "int", "auto",
+                 "backward: programs per SM of the persistent grid whose per-program fp32 rows hold the "
+                 "q_norm/k_norm weight-gradient partial sums; auto = 4", auto_ok=True, min=1, max=64),
+    )
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
         f = info.facts("Attention")
@@ -50,7 +55,8 @@ class FusedQKNormRope(Op):
         eps, offset, casting = _norm_facts(f, flags)
         tag = f"d{g['head_dim']}_r{g['rotary_dim']}_q{g['n_q_heads']}k{g['n_kv_heads']}_{casting}"
         return {"dtype": dtype, **g, "eps": eps, "offset": offset, "casting": casting,
-                "bwd_programs_per_sm": 4, "target": target, "tag": tag}
+                "bwd_programs_per_sm": int(resolve_auto(flags, "bwd_programs_per_sm", 4)), "target": target,
+                "tag": tag}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         return f"{self.name}_{params['dtype']}_{params['tag']}_{params['target']}"

@@ -174,12 +174,15 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int 
     tol = tolerance_for(dtype, factor, floor)
     dt = _torch_dtype(dtype)
 
+    say("building the three models (float64 reference, unpatched, patched)")
     ref, hf, patched = _models(model_or_factory)
+    say(f"moving them to {device}")
     _prepare(ref, torch.float64, device)
     _prepare(hf, dt, device)
     _prepare(patched, dt, device)
 
     p = spec if isinstance(spec, PatchPlan) else make_plan(spec, patched, target=target, dtypes=(dtype,))
+    say(f"planned {len(p.sites)} site(s); generating and applying the kernels")
     handle = apply(p, patched, target=target)
     spec_name = p.spec
     report = ParityReport(dtype=dtype, device=str(device), target=target, model_class=type(patched).__name__,
