@@ -75,8 +75,8 @@ for part in $PARTS; do
       t0=$(date +%s)
       # 12 workers when pytest-xdist is there (the image has it); the sm_90 compile-only checks ran in CI already
       xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n ${TEST_WORKERS:-12}"
-      say "tests (limit ${T_TESTS}s): pytest tests/kernels -v $xd"
-      timeout -k 10 "$T_TESTS" python3 -m pytest tests/kernels -v -rfE --durations=15 $xd -p no:cacheprovider \
+      say "tests (limit ${T_TESTS}s): pytest ${TEST_ARGS:-tests/kernels} -v $xd"
+      timeout -k 10 "$T_TESTS" python3 -m pytest ${TEST_ARGS:-tests/kernels} -v -rfE --tb=short --durations=15 $xd -p no:cacheprovider \
         --deselect tests/kernels/test_cuda_compile.py >"$OUT/tests.log" 2>&1
       rc=$?
       what="rc $rc"; { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && what="TIMED OUT"

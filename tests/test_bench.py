@@ -342,3 +342,14 @@ def test_summary_merges_two_ops_files(ops_doc, tmp_path, capsys):
     assert run(["summary", str(path), str(p2)]) == 0
     out = capsys.readouterr().out
     assert "-- sweep" in out and "== ops" in out and "== targets" in out
+
+
+def test_sweep_start_skips_each_familys_first_sweep_shapes():
+    full = runner.units(runner.Options(groups=("sweep",), impls=("patchdsl",), ops=("rmsnorm", "cross_entropy")))
+    later = runner.units(runner.Options(groups=("sweep",), impls=("patchdsl",), ops=("rmsnorm", "cross_entropy"),
+                                        sweep_start=1))
+    firsts = {fam.name: fam.shapes("sweep")[0] for fam, _, _, _ in full}
+    assert len(later) == len(full) - 2
+    assert all(shape != firsts[fam.name] for fam, _, shape, _ in later)
+    issue = runner.units(runner.Options(groups=("issue",), impls=("patchdsl",), ops=("rmsnorm",), sweep_start=5))
+    assert len(issue) == 1                                   # the issue shapes are never skipped

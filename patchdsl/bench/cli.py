@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--tiny", action="store_true", help="tiny shapes (default on the CPU)")
     o.add_argument("--compile-sweep", action="store_true", help="torch.compile at the sweep shapes too")
     o.add_argument("--compile-backend", default="inductor")
+    o.add_argument("--sweep-start", type=int, default=0,
+                   help="start each op's sweep at its K-th shape (the earlier ones measured by an earlier run)")
     o.add_argument("--budget", type=float, default=1e9, help="seconds; units not started by then are skipped")
     o.add_argument("--target-ms", type=float, default=100.0, help="timed replays per measurement, in ms")
     o.add_argument("--seed", type=int, default=1234)
@@ -171,6 +173,7 @@ def run(argv: list[str]) -> int:
             return 2
         opts = Options(device=device, dtype=a.dtype, groups=groups, ops=_csv(a.ops), impls=impls,
                        budget_s=a.budget, compile_sweep=a.compile_sweep, compile_backend=a.compile_backend,
+                       sweep_start=a.sweep_start,
                        target_ms=a.target_ms, json_path=path, seed=a.seed, quiet=a.quiet)
         try:
             doc = run_ops(opts)

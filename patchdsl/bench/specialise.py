@@ -110,7 +110,10 @@ TUNE: dict[str, tuple[Variant, ...]] = {
                  "1024 tokens per chunk, persistent row kernel 1/SM"),),
     "qk_norm_rope": tuple(
         Variant(f"bwd_pps_{n}", lambda p, n=n: {"bwd_programs_per_sm": n}, f"backward grid {n} programs per SM")
-        for n in (1, 16, 32)
+        for n in (4, 32)
+    ) + tuple(
+        Variant(f"bwd_warps_{n}", lambda p, n=n: {"bwd_warps": n}, f"backward {n} warps per program")
+        for n in (4, 8)
     ),
 }
 

@@ -10,6 +10,12 @@ small multiple of u:
     fp32: 1e-5   (~170 u: fp32 accumulation order over rows up to ~10^5 elements)
     fp16: 2e-3   (4 u)
     bf16: 1.6e-2 (4 u)
+
+fp16 has a 5-bit exponent: a mean-reduced cross-entropy gradient (softmax / N, about 1 / (V N))
+falls below fp16's smallest normal (6.1e-5) at real sizes and underflows, in any fp16
+implementation.  Where that happens the bar is also allowed to be twice the error of PyTorch's own
+fp16 path on the same inputs (``peer``), the way ``patchdsl verify`` judges a patched model by the
+unpatched one's error.
 """
 
 from __future__ import annotations
@@ -49,10 +55,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out - ref).norm().item() / (den if den > 0 else 1.0)
 
 
-def assert_close(out, ref, dtype: str, what: str = "", factor: float = 1.0):
+PEER_FACTOR = 2.0
+
+
+def assert_close(out, ref, dtype: str, what: str = "", factor: float = 1.0, peer=None):
+    """``peer``: PyTorch's own result in ``dtype`` (fp16 underflow cases, see above)."""
     e = rel_err(out, ref)
     tol = TOL[dtype] * factor
-    assert e <= tol, f"{what}: relative error {e:.3g} > {tol:.3g} ({dtype})"
+    note = ""
+    if peer is not None:
+        pe = rel_err(peer, ref)
+        if PEER_FACTOR * pe > tol:
+            tol, note = PEER_FACTOR * pe, f", {PEER_FACTOR:g} x PyTorch's own {dtype} error {pe:.3g}"
+    assert e <= tol, f"{what}: relative error {e:.3g} > {tol:.3g} ({dtype}{note})"
 
 
 def sizes(cpu: list, gpu: list) -> list:
