@@ -5,7 +5,7 @@
 #   bash bench/gpu_all.sh ops        # parts, in any combination: tests verify ops issue sweep specialise profile e2e
 #   OPS_ARGS="--ops rmsnorm,swiglu" E2E_ARGS="--variants hf,patchdsl,compile" bash bench/gpu_all.sh ops e2e
 #
-# Each part runs under its own timeout (T_TESTS, T_VERIFY, T_OPS, T_SPEC, T_E2E seconds; defaults sum to 9 min),
+# Each part runs under its own timeout (T_TESTS, T_VERIFY, T_OPS, T_SWEEP, T_SPEC, T_PROF, T_E2E seconds; defaults sum to 9 min),
 # never stops the others, and writes under $OUT (default bench/results/run-<date>):
 #   bench.log  tests.log  ops.json (ops_sweep.json for the part "sweep")  specialise.json/.txt  e2e.json
 #   bench.png  summary.txt
@@ -85,9 +85,11 @@ for part in $PARTS; do
       grep -E "(FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$LOG"
       ;;
     ops|issue|sweep)
-      sel=""; name=ops; [ "$part" = issue ] && sel="--no-sweep"; [ "$part" = sweep ] && sel="--sweep-only" && name=ops_sweep
-      run_part "$part" "$T_OPS" python3 -m patchdsl.cli bench ops --json "$OUT/$name.json" --no-png \
-        --budget $(( T_OPS - 45 )) $sel ${OPS_ARGS:-}
+      sel=""; name=ops; lim=$T_OPS; args=${OPS_ARGS:-}
+      [ "$part" = issue ] && sel="--no-sweep"
+      [ "$part" = sweep ] && sel="--sweep-only" && name=ops_sweep && lim=${T_SWEEP:-$T_OPS} && args=${SWEEP_ARGS:-$args}
+      run_part "$part" "$lim" python3 -m patchdsl.cli bench ops --json "$OUT/$name.json" --no-png \
+        --budget $(( lim - 45 )) $sel $args
       ;;
     verify)   # gradient parity of the shipped Qwen3 spec on the full Qwen3-0.6B architecture, bf16
       run_part verify "$T_VERIFY" sh -c "python3 -m patchdsl.cli verify specs/qwen3.kpatch --model Qwen/Qwen3-0.6B \
