@@ -191,6 +191,8 @@ def test_tune_candidates_are_rows_of_their_own(tmp_path):
     doc = sp.run_specialise(o)
     tuned = [r for r in doc["results"] if r.get("tune")]
     assert {r["variant"] for r in tuned} == {v.name for v in sp.TUNE["qk_norm_rope"]}
-    assert all(r["status"] == "ok" and r["correct"] for r in tuned), tuned
-    assert all(r["params"][k] == v for r in tuned for k, v in r["flags"].items())
+    # on the interpreter's tiny heads some candidates give the auto kernel again (not timed)
+    assert all(r["status"] == "ok" and r["correct"] or r["status"] == "same kernel" for r in tuned), tuned
+    assert any(r["status"] == "ok" for r in tuned)
+    assert all(r["params"][k] == v for r in tuned for k, v in r["flags"].items() if k in r["params"])
     assert not sp.wrong(doc)

@@ -109,11 +109,11 @@ TUNE: dict[str, tuple[Variant, ...]] = {
     ) + (Variant("chunk_1024_pps1", lambda p: {"chunk": 1024, "programs_per_sm": 1},
                  "1024 tokens per chunk, persistent row kernel 1/SM"),),
     "qk_norm_rope": tuple(
-        Variant(f"bwd_pps_{n}", lambda p, n=n: {"bwd_programs_per_sm": n}, f"backward grid {n} programs per SM")
-        for n in (4, 32)
-    ) + tuple(
-        Variant(f"bwd_warps_{n}", lambda p, n=n: {"bwd_warps": n}, f"backward {n} warps per program")
-        for n in (4, 8)
+        Variant(f"bwd_block_{n}", lambda p, n=n: {"bwd_block": n}, f"backward tile of {n} elements")
+        for n in (512, 4096)
+    ) + (
+        Variant("bwd_pps_32", lambda p: {"bwd_programs_per_sm": 32}, "backward grid 32 programs per SM"),
+        Variant("bwd_warps_2", lambda p: {"bwd_warps": 2}, "backward 2 warps per program"),
     ),
 }
 

@@ -142,7 +142,13 @@ def test_casting_and_offset_change_the_code():
 def test_full_vs_partial_rotary_and_masks():
     full, _ = source(128, 128, 16, 8)
     part, _ = source(128, 96, 16, 8)
-    assert "mask=" not in full and "x_pass" not in full and "for h0" not in full
+    fwd, bwd = full[full.index("def qk_norm_rope_fwd_"):full.index("def qk_norm_rope_bwd_")], \
+        full[full.index("def qk_norm_rope_bwd_"):]
+    assert "mask=" not in full and "x_pass" not in full and "for h0" not in fwd
+    # cuda backward: heads in 4-head tiles (the 16 q heads in 4 tiles, the 8 k heads in 2), no tail
+    assert "for h0 in range(0, 16, 4)" in bwd and "for h0 in range(0, 8, 4)" in bwd and "hm = " not in bwd
+    one_tile, p = source(128, 128, 16, 8, bwd_block=4096)
+    assert "for h0" not in one_tile and not p["bwd_q_loop"]
     assert "x_pass * x_pass" in part and "dwq_pass" in part and "dm = d < HALF" in part
 
 
