@@ -65,6 +65,8 @@ CASES = sizes(
         (2, 4, 3, 1, 64, 32, {}, 2),                      # partial 0.5, 3 heads (masked), cos per batch
         (2, 3, 5, 1, 128, 96, {"block": 128, "tokens_per_program": 4}, 1),  # partial 0.75, looped heads + tail
         (3, 1, 4, 2, 64, 64, {}, 3),                      # seq 1 (decoding)
+        # forward in one tile, backward looped in 2-head tiles with masked head and rotary tails
+        (2, 3, 5, 3, 64, 48, {"bwd_block": 64}, 1),
     ],
     gpu=[
         (8, 2048, 16, 8, 128, 128, {}, 1),                # Qwen3-0.6B
@@ -73,6 +75,7 @@ CASES = sizes(
         (2, 777, 12, 4, 128, 64, {}, 2),                  # partial rotary
         (2, 333, 40, 8, 128, 128, {"block": 512}, 1),     # looped heads
         (64, 1, 32, 8, 128, 128, {}, 64),                 # decoding
+        (2, 333, 10, 2, 128, 128, {}, 1),                 # backward's 4-head tiles with a tail (10 = 4+4+2)
     ])
 NORMS = [("llama", 0.0), ("gemma", 1.0)]
 
@@ -150,6 +153,15 @@ def test_full_vs_partial_rotary_and_masks():
     one_tile, p = source(128, 128, 16, 8, bwd_block=4096)
     assert "for h0" not in one_tile and not p["bwd_q_loop"]
     assert "x_pass * x_pass" in part and "dwq_pass" in part and "dm = d < HALF" in part
+
+
+def test_backward_tile_is_separate_from_the_forward():
+    src, p = source(64, 48, 5, 3, target="interpreter", bwd_block=64)
+    fwd = src[src.index("def qk_norm_rope_fwd_"):src.index("def qk_norm_rope_bwd_")]
+    bwd = src[src.index("def qk_norm_rope_bwd_"):]
+    assert "for h0" not in fwd and not p["q_loop"]
+    assert p["bwd_q_block_heads"] == 2 and p["bwd_q_head_mask"] and p["bwd_k_head_mask"]
+    assert "for h0 in range(0, 5, 2)" in bwd and "hm = h < 5" in bwd and "for h0 in range(0, 3, 2)" in bwd
 
 
 def test_many_heads_loop():
