@@ -28,3 +28,17 @@ def test_language_doc_mentions_every_op_and_kind():
 
     for k in KIND_NAMES:
         assert f"`{k}`" in text, k
+
+
+def test_op_order_does_not_depend_on_import_order():
+    """Importing an op module early (as a test importing one of its constants does) must not
+    reorder the registry, or docs/ops.md would depend on which test ran first in a worker."""
+    import subprocess
+    import sys
+
+    code = ("import patchdsl.ops.linear_cross_entropy, patchdsl.ops.cross_entropy\n"
+            "from patchdsl.ops.registry import ops, OP_MODULES\n"
+            "print(','.join(type(o).__module__.rsplit('.', 1)[-1] for o in ops().values()))\n"
+            "print(','.join(OP_MODULES))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == out[1]

@@ -53,9 +53,15 @@ def _load() -> None:
         importlib.import_module(f"patchdsl.ops.{m}")
 
 
+def _module_rank(op: Op) -> int:
+    m = type(op).__module__.rsplit(".", 1)[-1]
+    return OP_MODULES.index(m) if m in OP_MODULES else len(OP_MODULES)
+
+
 def ops() -> dict[str, Op]:
+    """Every op, in OP_MODULES order (whatever order their modules happened to be imported in)."""
     _load()
-    return dict(_OPS)
+    return dict(sorted(_OPS.items(), key=lambda kv: _module_rank(kv[1])))
 
 
 def get_op(name: str) -> Op | None:
