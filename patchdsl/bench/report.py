@@ -261,7 +261,8 @@ def sweep_summary(doc: dict) -> str:
             continue
         pc = r.get("pct_copy", {}).get("fwd_bwd")
         pf = r.get("fwd_bwd_ms")
-        rows.append([op, label, _ms(pf), f"{pc:.0f}%" if pc else "-", _err(r), _ms(pms("hf")), _ms(pms("compile")),
+        util = f"{r['pct_matmul']['fwd_bwd']:.0f}%mm" if r.get("pct_matmul") else (f"{pc:.0f}%" if pc else "-")
+        rows.append([op, label, _ms(pf), util, _err(r), _ms(pms("hf")), _ms(pms("compile")),
                      _ms(pms("liger")), _ratio(pf, pms("hf")), _ratio(pf, pms("compile")), _ratio(pf, pms("liger"))])
     return "-- sweep: fwd+bwd ms, patchdsl vs peers --\n" + _table(
         rows, ["op", "shape", "patchdsl", "%copy", "err", "hf", "compile", "liger", "vs hf", "vs comp", "vs liger"])
