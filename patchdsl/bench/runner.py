@@ -503,13 +503,19 @@ def comparisons(results: list[dict]) -> list[dict]:
     return out
 
 
-def units(opts: Options) -> list[tuple[Family, str, dict, str]]:
+def select_families(ops: tuple[str, ...] | None) -> dict[str, Family]:
+    """The op families named in ``ops`` (all when None); ValueError naming any unknown one."""
     fams = families()
-    if opts.ops:
-        unknown = [o for o in opts.ops if o not in fams]
+    if ops:
+        unknown = [o for o in ops if o not in fams]
         if unknown:
             raise ValueError(f"unknown op(s) {unknown}; known: {', '.join(fams)}")
-        fams = {k: v for k, v in fams.items() if k in opts.ops}
+        fams = {k: v for k, v in fams.items() if k in ops}
+    return fams
+
+
+def units(opts: Options) -> list[tuple[Family, str, dict, str]]:
+    fams = select_families(opts.ops)
     out = []
     for group in opts.groups:
         plain, comp = [], []

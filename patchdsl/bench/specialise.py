@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from . import runner, timing
-from .cases import Family, as_tuple, bind, families, resolve_entry
+from .cases import Family, as_tuple, bind, resolve_entry
 
 KIND = "patchdsl-bench-specialise"
 
@@ -380,12 +380,7 @@ def run_specialise(o: Options) -> dict[str, Any]:
     from ..codegen import ensure_triton, target as codegen_target
 
     ensure_triton()
-    fams = families()
-    if o.ops:
-        unknown = [n for n in o.ops if n not in fams]
-        if unknown:
-            raise ValueError(f"unknown op(s) {unknown}; known: {', '.join(fams)}")
-        fams = {k: v for k, v in fams.items() if k in o.ops}
+    fams = runner.select_families(o.ops)
     ctx = runner.Context(runner.Options(device=o.device, dtype=o.dtype, seed=o.seed, quiet=o.quiet))
     if timing.is_cuda(o.device):
         import torch
