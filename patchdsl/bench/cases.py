@@ -656,6 +656,21 @@ def _store(t):
     return t.float() if t.numel() > (1 << 26) else t
 
 
+def _ce64_chunk(z, y, ok, n_valid):
+    """Float64 mean cross entropy of one chunk of logits ``z``: (sum of its rows' losses,
+    d(mean loss)/dz), ignored rows (``ok`` false) contributing nothing.  Consumes ``z``."""
+    import torch
+
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(1, y.clamp_min(0)[:, None])[:, 0]
+    loss_sum = torch.where(ok, lse - picked, torch.zeros_like(lse)).sum()
+    p = torch.softmax(z, dim=-1)
+    del z
+    p[torch.arange(p.shape[0], device=p.device), y.clamp_min(0)] -= 1.0
+    p *= (ok.double() / n_valid)[:, None]
+    return loss_sum, p
+
+
 class CrossEntropyFamily(Family):
     def make_act(self, shape, dtype, device, g):
         n, v = shape["tokens"], shape["vocab"]
@@ -676,17 +691,10 @@ class CrossEntropyFamily(Family):
         total = torch.zeros((), dtype=torch.float64, device=logits.device)
         step = _ce_chunk_rows(v)
         for i in range(0, n, step):
-            z = logits[i:i + step].double()
-            y = labels[i:i + step]
-            ok = valid[i:i + step]
-            lse = torch.logsumexp(z, dim=-1)
-            picked = z.gather(1, y.clamp_min(0)[:, None])[:, 0]
-            total += torch.where(ok, lse - picked, torch.zeros_like(lse)).sum()
-            p = torch.softmax(z, dim=-1)
-            p[torch.arange(p.shape[0], device=p.device), y.clamp_min(0)] -= 1.0
-            p *= (ok.double() / n_valid)[:, None]
+            loss_sum, p = _ce64_chunk(logits[i:i + step].double(), labels[i:i + step], valid[i:i + step], n_valid)
+            total += loss_sum
             grad[i:i + step] = p
-            del z, p
+            del p
         return (total / n_valid,), {"logits": grad}
 
     def nbytes(self, shape, esize):
@@ -742,16 +750,8 @@ class LinearCrossEntropyFamily(Family):
         step = _ce_chunk_rows(v)
         for i in range(0, n, step):
             hc = h[i:i + step]
-            z = hc @ w.T
-            y = labels[i:i + step]
-            ok = valid[i:i + step]
-            lse = torch.logsumexp(z, dim=-1)
-            picked = z.gather(1, y.clamp_min(0)[:, None])[:, 0]
-            total += torch.where(ok, lse - picked, torch.zeros_like(lse)).sum()
-            p = torch.softmax(z, dim=-1)
-            del z
-            p[torch.arange(p.shape[0], device=p.device), y.clamp_min(0)] -= 1.0
-            p *= (ok.double() / n_valid)[:, None]
+            loss_sum, p = _ce64_chunk(hc @ w.T, labels[i:i + step], valid[i:i + step], n_valid)
+            total += loss_sum
             dh[i:i + step] = p @ w
             dw += p.T @ hc
             del p
