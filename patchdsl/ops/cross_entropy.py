@@ -150,10 +150,8 @@ class FusedCrossEntropy(Op):
         return make_forward(module, kernels, flags, "logits")
 
     def install(self, host, kernels, flags, info):
-        from .loss_path import host_reason, install_forward, loss_function_settable, make_loss_function, vocab_of
-        reason = host_reason(host, info, flags, self.name)
-        if reason:
-            raise ValueError(f"refused {self.name} on {type(host).__name__}: {reason}")
+        from .loss_path import install_forward, loss_function_settable, make_loss_function, require_host, vocab_of
+        require_host(host, info, flags, self.name)
         if loss_function_settable(type(host)):
             original = type(host).loss_function.fget(host)
             return [(host, "_loss_function", make_loss_function(kernels, flags, original, vocab_of(info)))]

@@ -103,10 +103,8 @@ class FusedLinearCrossEntropy(Op):
         return make_forward(module, kernels, flags, "linear")
 
     def install(self, host, kernels, flags, info):
-        from .loss_path import host_reason, install_forward
-        reason = host_reason(host, info, flags, self.name)
-        if reason:
-            raise ValueError(f"refused {self.name} on {type(host).__name__}: {reason}")
+        from .loss_path import install_forward, require_host
+        require_host(host, info, flags, self.name)
         return install_forward(host, kernels, flags, "linear")
 
 
