@@ -210,6 +210,15 @@ MODULES = {
 }
 
 
+def _module_fwd_bwd(norm, x, dy):
+    """(y, dx, dw) of one forward + backward of the module ``norm`` on a fresh copy of ``x``."""
+    xi = x.clone().requires_grad_()
+    norm.weight.grad = None
+    y = norm(xi)
+    y.backward(dy)
+    return y.detach(), xi.grad, norm.weight.grad.clone()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(MODULES))
 def test_patched_module_matches_hf(name, dtype):
@@ -225,18 +234,11 @@ def test_patched_module_matches_hf(name, dtype):
     x = torch.randn(2, 7, hidden, generator=g).to(DEVICE, TORCH_DTYPES[dtype])
     dy = torch.randn(2, 7, hidden, generator=g).to(DEVICE, TORCH_DTYPES[dtype])
 
-    def run():
-        xi = x.clone().requires_grad_()
-        norm.weight.grad = None
-        y = norm(xi)
-        y.backward(dy)
-        return y.detach(), xi.grad, norm.weight.grad.clone()
-
-    ref = run()
+    ref = _module_fwd_bwd(norm, x, dy)
     handle = patch_module(norm, OP)
     try:
         assert "forward" in norm.__dict__          # the instance was patched, not the class
-        out = run()
+        out = _module_fwd_bwd(norm, x, dy)
     finally:
         handle.undo()
     assert "forward" not in norm.__dict__
@@ -293,16 +295,9 @@ def test_fp32_weight_with_bf16_input_follows_hf_promotion():
     x = torch.randn(3, 5, 96, generator=g).to(DEVICE, torch.bfloat16)
     dy = torch.randn(3, 5, 96, generator=g).to(DEVICE, torch.float32)
 
-    def run():
-        xi = x.clone().requires_grad_()
-        norm.weight.grad = None
-        y = norm(xi)
-        y.backward(dy)
-        return y.detach(), xi.grad, norm.weight.grad.clone()
-
-    ref = run()
+    ref = _module_fwd_bwd(norm, x, dy)
     with patch_module(norm, OP):
-        out = run()
+        out = _module_fwd_bwd(norm, x, dy)
     assert out[0].dtype == ref[0].dtype == torch.float32
     assert out[1].dtype == torch.bfloat16 and out[2].dtype == torch.float32
     for o, r, what in zip(out, ref, ("y", "dx", "dw")):
