@@ -241,8 +241,6 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
     return None
 
 
-# --------------------------------------------------------------------------- runtime helpers
-
 def require_host(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) -> None:
     """Raise ValueError with :func:`host_reason` when ``host`` cannot take ``op`` (install time)."""
     reason = host_reason(host, info, flags, op)
@@ -250,6 +248,7 @@ def require_host(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str)
         raise ValueError(f"refused {op} on {type(host).__name__}: {reason}")
 
 
+# --------------------------------------------------------------------------- runtime helpers
 def shift_labels_of(labels: Any, ignore_index: int) -> Any:
     """HF's shift: pad one ignore_index on the right, drop the first label."""
     import torch.nn.functional as F

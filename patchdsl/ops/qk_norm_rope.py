@@ -63,7 +63,6 @@ class FusedQKNormRope(Op):
                  auto_ok=True, min=1, max=16),
     )
 
-
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
         f = info.facts("Attention")
         g = rope_geometry(f, flags, target)
