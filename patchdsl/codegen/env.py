@@ -33,9 +33,9 @@ def ensure_triton():
         # generated modules are imported after this call.
         if not torch.cuda.is_available():
             if "triton" in sys.modules:
-                raise RuntimeError(
-                    "triton was imported before patchdsl could switch on its interpreter (there is no GPU "
-                    "here): import patchdsl first, or set TRITON_INTERPRET=1 in the environment")
+                from .._interp import late_interpreter
+
+                late_interpreter()          # triton came first (transformers may import it)
             os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
