@@ -50,7 +50,12 @@ class _Group(click.Group):
 @click.group(cls=_Group)
 @click.version_option(__version__, prog_name="patchdsl")
 def main() -> None:
-    """Declarative fused Triton kernels for Hugging Face transformers models."""
+    """Declarative fused Triton kernels for Hugging Face transformers models.
+
+    SPEC, wherever a command takes one, is a path to a .kpatch file or the name of a shipped spec
+    (qwen3, llama, mistral, qwen2, gemma3, phi3).  Exit status: 0 success, 1 a verification failed,
+    2 bad input (spec, model, options).
+    """
 
 
 def _read_spec(path: str):
@@ -139,7 +144,7 @@ def print_plan(p, console=None) -> None:
 
 @main.command()
 @click.argument("spec")
-@click.option("--model", "-m", required=True, help="Hub id, local folder, or path to config.json.")
+@click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Override the spec's dtype directive.")
 @click.option("--target", type=click.Choice(["cuda", "interpreter"]), help="Kernel target (default: detected).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
@@ -155,10 +160,11 @@ def plan(spec: str, model: str, dtype: str | None, target: str | None, as_json: 
 # ---------------------------------------------------------------- codegen
 @main.command()
 @click.argument("spec")
-@click.option("--model", "-m", required=True)
+@click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the generated kernels.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]))
-@click.option("--target", type=click.Choice(["cuda", "interpreter"]))
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Override the spec's dtype directive.")
+@click.option("--target", type=click.Choice(["cuda", "interpreter"]),
+              help="Kernel target (default: cuda with a GPU, else the Triton interpreter).")
 def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | None) -> None:
     """Write every kernel the plan needs into OUT, for reading."""
     from .codegen.cache import write_kernel
@@ -181,15 +187,15 @@ def _device(device: str | None) -> str:
 
 @main.command()
 @click.argument("spec")
-@click.option("--model", "-m", required=True)
+@click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
 @click.option("--steps", type=int, help="Measured training steps (default: 3 on CPU, 20 on GPU).")
 @click.option("--batch", type=int, help="Batch size (default: 1 on CPU, 16 on GPU).")
 @click.option("--seq", type=int, help="Sequence length (default: 16 on CPU, 2048 on GPU).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Model dtype (default: bf16 on GPU, fp32 on CPU).")
 @click.option("--device", help="cpu or cuda[:N] (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
-@click.option("--lr", type=float, default=1e-4, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--lr", type=float, default=1e-4, show_default=True, help="AdamW learning rate of both runs.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the weights and the batches.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the numbers to this JSON file.")
 def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_out) -> None:
     """Patch a model and train it twice (unpatched, patched) side by side."""
@@ -273,12 +279,13 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
 # ---------------------------------------------------------------- verify
 @main.command()
 @click.argument("spec")
-@click.option("--model", "-m", required=True)
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
-@click.option("--batch", type=int, default=2, show_default=True)
-@click.option("--seq", type=int, default=16, show_default=True)
+@click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="Dtype of the model under test (the reference runs in float64).")
+@click.option("--batch", type=int, default=2, show_default=True, help="Batch size of the verification inputs.")
+@click.option("--seq", type=int, default=16, show_default=True, help="Sequence length of the verification inputs.")
 @click.option("--steps", type=int, default=0, show_default=True, help="Also compare N optimizer steps.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the weights and inputs.")
 @click.option("--device", help="cpu or cuda (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -316,10 +323,20 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
 
 
 # ---------------------------------------------------------------- bench
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+              add_help_option=False)
 @click.pass_context
 def bench(ctx) -> None:
-    """Benchmark ops and end-to-end training (GPU); see `patchdsl bench --help`."""
+    """Benchmarks (GPU): ops, e2e, specialise, summary, plot; `patchdsl bench SUB --help` for each.
+
+    \b
+    patchdsl bench ops         per-op time and memory against HF eager, torch.compile, Liger, CCE
+    patchdsl bench e2e         end-to-end training throughput, variants side by side
+    patchdsl bench specialise  specialised vs generic kernels
+    patchdsl bench summary F   print the tables of a results JSON again
+    patchdsl bench plot F      plot a results JSON
+    Results go to --json, else $OUT, else the current directory.
+    """
     from .bench.cli import run as bench_run
 
     sys.exit(bench_run(ctx.args))

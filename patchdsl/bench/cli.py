@@ -6,7 +6,8 @@
     patchdsl bench plot FILE.json [FILE.json] --png F
     patchdsl bench specialise [--json F] [--ops rmsnorm,rope] [--eager] [--budget S]   # specialised vs generic
 
-Results go to --json, else to $OUT/<ops|e2e>.json when $OUT is set, else to bench/results/.
+Results go to --json, else to $OUT/<ops|e2e>.json when $OUT is set, else to the current directory
+(never into the source tree or the installed package unless a path there is given).
 On a machine without a GPU the default is a tiny CPU run through the Triton interpreter (for
 testing the harness; its times mean nothing).  Exit status: 0, or 1 when a patchdsl kernel's
 result was wrong (relative error over the tolerance), 2 for bad arguments.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 def _out_dir() -> Path:
     out = os.environ.get("OUT")
-    return Path(out) if out else Path.cwd() / "bench" / "results"
+    return Path(out) if out else Path.cwd()
 
 
 def _csv(s: str | None) -> tuple[str, ...] | None:
@@ -49,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     o = sub.add_parser("ops", help="per-op benchmarks against HF eager, torch.compile, Liger, CCE")
-    o.add_argument("--json", help="output JSON (default: $OUT/ops.json or bench/results/ops.json)")
+    o.add_argument("--json", help="output JSON (default: $OUT/ops.json or ./ops.json)")
     o.add_argument("--png", help="also write a plot here (default: next to the JSON, ops.png)")
     o.add_argument("--no-png", action="store_true")
     o.add_argument("--device", help="cuda or cpu (default: cuda when available)")

@@ -491,7 +491,7 @@ def table(doc: dict) -> str:
 # ----------------------------------------------------------------------------- CLI (called from .cli)
 def add_parser(sub) -> None:
     s = sub.add_parser("specialise", help="each specialised kernel vs the generic (looped/masked) form of the same op")
-    s.add_argument("--json", help="output JSON (default: $OUT/specialise.json or bench/results/specialise.json)")
+    s.add_argument("--json", help="output JSON (default: $OUT/specialise.json or ./specialise.json)")
     s.add_argument("--txt", help="also write the summary table here (default: next to the JSON, .txt)")
     s.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
