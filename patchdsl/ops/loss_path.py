@@ -342,7 +342,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
             logits = None
             w, b = lm.weight, lm.bias
             dev = hidden.device.type
-            if torch.is_autocast_enabled(dev):          # lm_head(...) would run in the autocast dtype
+            if dev != "meta" and torch.is_autocast_enabled(dev):   # lm_head(...) would run in the autocast dtype
                 dt = torch.get_autocast_dtype(dev)
                 w = w.to(dt)
                 b = b.to(dt) if b is not None else None
