@@ -239,7 +239,7 @@ def run(argv: list[str]) -> int:
             print(f"patchdsl bench e2e: {ex}", file=sys.stderr)
             return 2
         doc = run_e2e(o)
-        if not a.no_png:
+        if not a.no_png and not doc.get("terminated"):      # a terminated run has seconds left: JSON and table only
             from .plot import plot
 
             plot(None, doc, a.png or str(Path(path).with_suffix(".png")))

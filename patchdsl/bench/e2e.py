@@ -399,9 +399,10 @@ def run_row(o: E2EOptions, row: Row, micro: int, snapshot: dict | None = None) -
         rec["model"] = _model_facts(model, o, row.batch)
         if snapshot is not None:
             model.load_state_dict(snapshot)
+        vocab = model.config.vocab_size
         model, info = _prepare(row.variant, model, o, row.spec)
         rec.update(info)
-        batches = make_batches(model.config.vocab_size, o, o.device, row.batch)
+        batches = make_batches(vocab, o, o.device, row.batch)
         rec.update(train(model, batches, o, micro))
     except torch.cuda.OutOfMemoryError as e:
         rec.update(status="oom", error=_first_line(e), micro_batch=micro)
@@ -581,8 +582,10 @@ def run_e2e(o: E2EOptions) -> dict[str, Any]:
     _log(o, t0, f"{o.model}, {len(rows)} row(s): {', '.join(r.name for r in rows)}; "
                 f"batch {'/'.join(map(str, o.batch_list()))} x {o.seq}; "
                 + ("a fresh process per row" if o.isolate else "in this process"))
+    current: list[Row] = []
     try:
         for idx, row in enumerate(rows):
+            current[:] = [row]
             rec = _measure_row(o, row, idx, t0, workdir, snapshot)
             if o.isolate and "model" not in doc and rec.get("model"):
                 doc["model"] = rec["model"]
@@ -598,9 +601,14 @@ def run_e2e(o: E2EOptions) -> dict[str, Any]:
         doc["terminated"] = str(e)
         done = {v["variant"] for v in doc["variants"]}
         for row in rows:
-            if row.name not in done:
-                doc["variants"].append({"variant": row.name, "base": row.variant, "status": "skipped",
-                                        "error": f"run terminated ({e})"})
+            if row.name in done:
+                continue
+            if current and row is current[0]:
+                doc["variants"].append({"variant": row.name, "base": row.variant, "status": "error", "batch": row.batch,
+                                        "error": f"stopped while running: the run was terminated ({e})"})
+            else:
+                doc["variants"].append({"variant": row.name, "base": row.variant, "status": "skipped", "batch": row.batch,
+                                        "error": f"not started: the run was terminated ({e})"})
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old[0])
