@@ -9,17 +9,18 @@
 # part           limit (s)  what
 # tests            45  (a) GPU smoke: every test marked `gpu` (tests/, whatever other helpers added), then the
 #                          bf16 kernel tests at real sizes, -x, pytest-xdist with TEST_WORKERS (4) workers
-# e2e_qwen3       175  (b) Qwen3-0.6B 16x2048, 10 steps: patchdsl, liger, patchdsl+compile, compile, hf (hf last:
+# e2e_qwen3       170  (b) Qwen3-0.6B 16x2048, 10 steps: patchdsl, liger, patchdsl+compile, compile, hf (hf last:
 #                          it ran out of memory at 16; no OOM retry here)
-# e2e_llama        40  (c) Llama-3.2-1B 8x2048: patchdsl vs liger
-# e2e_gemma        40  (c) Gemma-3-1B 8x2048: patchdsl vs liger
-# e2e_small        45  (d) Qwen3-0.6B 1x2048 and 4x2048: patchdsl vs liger (the host-bound regime)
-# verify           70  (e) patchdsl verify specs/qwen3.kpatch, full Qwen3-0.6B, bf16, 4x1024, 2 steps
+# e2e_llama        50  (c) Llama-3.2-1B 8x2048: patchdsl vs liger
+# e2e_gemma        50  (c) Gemma-3-1B 8x2048: patchdsl vs liger
+# e2e_small        40  (d) Qwen3-0.6B 1x2048 and 4x2048: patchdsl vs liger (the host-bound regime), in one
+#                          process (--in-process, Liger last): four worker start-ups would not fit
+# verify           65  (e) patchdsl verify specs/qwen3.kpatch, full Qwen3-0.6B, bf16, 4x1024, 2 steps
 # compile_check    20  (f) bench/compile_check.py, when the file exists
 # mixed_verify     15  (f) bench/mixed_verify.py, when the file exists
 # posttrain        20  (f) bench/posttrain_bench.py when it exists, else `bench ops` of the post-training op
 #                          families (logprobs / jsd / dpo / grpo) when bench/cases.py has them
-# ops              45  (g) bench ops GeGLU 16384x6912 + RMSNorm 16384x1024 vs torch.compile and Liger, then
+# ops              40  (g) bench ops GeGLU 16384x6912 + RMSNorm 16384x1024 vs torch.compile and Liger, then
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 555; a part never gets more than what is left of TOTAL minus 12 s for the summary)
@@ -119,15 +120,15 @@ for part in $PARTS; do
   case " $ALL $EXTRA " in *" $part "*) ;; *) say "unknown part '$part' (known: $ALL $EXTRA)"; continue ;; esac
   case $part in
     tests)   lim=$(limit tests 45) ;;
-    e2e_qwen3) lim=$(limit e2e_qwen3 175) ;;
-    e2e_llama) lim=$(limit e2e_llama 40) ;;
-    e2e_gemma) lim=$(limit e2e_gemma 40) ;;
-    e2e_small) lim=$(limit e2e_small 45) ;;
-    verify)  lim=$(limit verify 70) ;;
+    e2e_qwen3) lim=$(limit e2e_qwen3 170) ;;
+    e2e_llama) lim=$(limit e2e_llama 50) ;;
+    e2e_gemma) lim=$(limit e2e_gemma 50) ;;
+    e2e_small) lim=$(limit e2e_small 40) ;;
+    verify)  lim=$(limit verify 65) ;;
     compile_check) lim=$(limit compile_check 20) ;;
     mixed_verify) lim=$(limit mixed_verify 15) ;;
     posttrain) lim=$(limit posttrain 20) ;;
-    ops)     lim=$(limit ops 45) ;;
+    ops)     lim=$(limit ops 40) ;;
     e2e_specs) lim=$(limit e2e_specs 40) ;;
     sweep)   lim=$(limit sweep 300) ;;
     specialise) lim=$(limit specialise 120) ;;
@@ -173,7 +174,7 @@ for part in $PARTS; do
       ;;
     e2e_small)   # (d) batch 1 and 4: is the step bound by the host? (host ms vs step ms in the table)
       e2e e2e_small "$lim" --model Qwen/Qwen3-0.6B --batch 1,4 --seq 2048 --steps 20 --warmup 3 \
-        --variants "${SMALL_VARIANTS:-patchdsl,liger}" --no-oom-retry
+        --variants "${SMALL_VARIANTS:-patchdsl,liger}" --no-oom-retry ${SMALL_ISOLATION---in-process}
       ;;
     verify)  # (e) gradient parity of the shipped Qwen3 spec on the full Qwen3-0.6B architecture, bf16
       run_part verify "$lim" sh -c "python3 -m patchdsl.cli verify specs/qwen3.kpatch --model Qwen/Qwen3-0.6B \

@@ -277,11 +277,37 @@ def test_targets_verdicts():
     assert {a: c for a, b, c in report.target_rows(doc, None)}["RMSNorm 16384x1024 fwd+bwd <= 0.045 ms"] == "FAIL"
     row["fwd_bwd_ms"], row["correct"], row["err_max"] = 0.01, False, 0.5
     assert {a: c for a, b, c in report.target_rows(doc, None)}["RMSNorm 16384x1024 fwd+bwd <= 0.045 ms"] == "FAIL"
-    e2e = {"options": {"batch": 16, "seq": 2048},
-           "variants": [{"variant": "patchdsl", "status": "ok", "tokens_per_s": 120_000, "peak_bytes": 40 * 2**30}]}
-    assert report.target_rows(None, e2e)[-1][2] == "PASS"
-    e2e["variants"][0]["peak_bytes"] = 50 * 2**30
-    assert report.target_rows(None, e2e)[-1][2] == "FAIL"
+    host = {a: (b, c) for a, b, c in report.target_rows(doc, None)}["host time to issue one forward <= 30 us: rmsnorm 16384x1024"]
+    assert host[1] == "PASS"
+    lce = dict(row, op="linear_cross_entropy", label="16384x1024x151936", flops=1e12, host_fwd_us=140.0, correct=True)
+    assert {a: c for a, b, c in report.target_rows({"results": [lce]}, None)}[
+        "host time to issue one forward <= 150 us: linear_cross_entropy 16384x1024x151936"] == "PASS"
+
+
+def _e2e_doc(mt, batch, rows):
+    return {"options": {"batch": batch, "seq": 2048}, "model": {"type": mt},
+            "variants": [dict(variant=n, base=n.split(":")[0], status="ok", tokens_per_s=t, peak_bytes=g * 2**30,
+                              batch=batch, step_ms=s, losses=[1.0]) for n, t, g, s in rows]}
+
+
+@pytest.mark.parametrize("mt,batch,ratio", [("qwen3", 16, 1.20), ("llama", 8, 1.10), ("gemma3_text", 8, 1.50)])
+def test_e2e_targets_against_liger(mt, batch, ratio):
+    ok = _e2e_doc(mt, batch, [("patchdsl", 100_000 * ratio + 1, 46.5, 300), ("liger", 100_000, 46.0, 330)])
+    (what, measured, verdict), = report.e2e_target_rows(ok)
+    assert verdict == "PASS" and f"{ratio:.2f}x Liger" in what
+    slow = _e2e_doc(mt, batch, [("patchdsl", 100_000 * ratio - 10, 46.0, 300), ("liger", 100_000, 46.0, 330)])
+    assert report.e2e_target_rows(slow)[0][2] == "FAIL"
+    fat = _e2e_doc(mt, batch, [("patchdsl", 200_000, 47.5, 300), ("liger", 100_000, 46.0, 330)])
+    assert report.e2e_target_rows(fat)[0][2] == "FAIL"                  # more than Liger + 1 GiB
+    assert report.e2e_target_rows(_e2e_doc(mt, batch + 1, [("patchdsl", 1, 1, 1), ("liger", 1, 1, 1)])) == []
+
+
+def test_e2e_step_target_at_batch_one():
+    doc = _e2e_doc("qwen3", 1, [("patchdsl", 45_000, 10, 44.0), ("liger", 11_000, 10, 180.0)])
+    rows = {a: c for a, b, c in report.e2e_target_rows(doc)}
+    assert rows["e2e qwen3 1x2048: patchdsl step <= 45 ms"] == "PASS"
+    doc["variants"][0]["step_ms"] = 90.0
+    assert {a: c for a, b, c in report.e2e_target_rows(doc)}["e2e qwen3 1x2048: patchdsl step <= 45 ms"] == "FAIL"
 
 
 def test_cli_bad_arguments():
