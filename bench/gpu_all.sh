@@ -1,31 +1,59 @@
 #!/usr/bin/env bash
-# One call on the H200: kernel tests at real sizes, per-op benchmarks, end-to-end training.
+# Every GPU check and benchmark in ONE device call (<= 600 s wall), by priority, each part under its
+# own time limit, the whole script under TOTAL seconds (default 580: the call's 600 s less a margin).
 #
-#   bash bench/gpu_all.sh            # = all: tests, ops (issue shapes, then the sweep), specialise, e2e
-#   bash bench/gpu_all.sh ops        # parts, in any combination: tests verify ops issue sweep specialise profile e2e
-#   OPS_ARGS="--ops rmsnorm,swiglu" E2E_ARGS="--variants hf,patchdsl,compile" bash bench/gpu_all.sh ops e2e
+#   bash bench/gpu_all.sh                              # every part, in this order
+#   PARTS="e2e_qwen3,verify" bash bench/gpu_all.sh     # some parts (or: bash bench/gpu_all.sh e2e_qwen3 verify)
+#   T_E2E_QWEN3=300 TOTAL=560 PARTS=e2e_qwen3 bash bench/gpu_all.sh
 #
-# Each part runs under its own timeout (T_TESTS, T_VERIFY, T_OPS, T_SWEEP, T_SPEC, T_PROF, T_E2E seconds; defaults sum to 9 min),
-# never stops the others, and writes under $OUT (default bench/results/run-<date>):
-#   bench.log  tests.log  ops.json (ops_sweep.json for the part "sweep")  specialise.json/.txt  e2e.json
-#   bench.png  summary.txt
-# The compact summary is printed LAST.  The wheels in .whl/ (lark, liger-kernel,
-# cut-cross-entropy) must travel with the call (carry ".whl").
+# part           limit (s)  what
+# tests            45  (a) GPU smoke: every test marked `gpu` (tests/, whatever other helpers added), then the
+#                          bf16 kernel tests at real sizes, -x, pytest-xdist with TEST_WORKERS (4) workers
+# e2e_qwen3       170  (b) Qwen3-0.6B 16x2048, 10 steps: patchdsl, liger, patchdsl+compile, compile, hf (hf last:
+#                          it ran out of memory at 16; no OOM retry here)
+# e2e_llama        50  (c) Llama-3.2-1B 8x2048: patchdsl vs liger
+# e2e_gemma        50  (c) Gemma-3-1B 8x2048: patchdsl vs liger
+# e2e_small        40  (d) Qwen3-0.6B 1x2048 and 4x2048: patchdsl vs liger (the host-bound regime), in one
+#                          process (--in-process, Liger last): four worker start-ups would not fit
+# verify           65  (e) patchdsl verify specs/qwen3.kpatch, full Qwen3-0.6B, bf16, 4x1024, 2 steps
+# compile_check    20  (f) bench/compile_check.py, when the file exists
+# mixed_verify     15  (f) bench/mixed_verify.py, when the file exists
+# posttrain        20  (f) bench/posttrain_bench.py when it exists, else `bench ops` of the post-training op
+#                          families (logprobs / jsd / dpo / grpo) when bench/cases.py has them
+# ops              40  (g) bench ops GeGLU 16384x6912 + RMSNorm 16384x1024 vs torch.compile and Liger, then
+#                          the host time to issue one forward of every other op (patchdsl alone)
+# e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
+# (limits sum to 555; a part never gets more than what is left of TOTAL minus 12 s for the summary)
+# By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s): bench ops --sweep-only,
+# bench specialise, bench/profile_gpu.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS add arguments.
+#
+# Limits: T_<PART> (upper case), e.g. T_TESTS=60.  Variants and specs: QWEN3_VARIANTS, SPECS_VARIANTS,
+# E2E_STEPS (10).  DRY=1 writes the commands into bench.log instead of running them.  Hook scripts (f) run as `python3 bench/X.py` with PART_OUT set to a folder whose files
+# are packed into results.tar; they print their verdict last.
+#
+# Under $OUT (default bench/results/run-<date>), at most 5 files:
+#   summary.txt  (the compact summary, also printed LAST)   bench.log  (everything every part printed)
+#   tests.log    (pytest)   bench.png  (ops + e2e Qwen3 16x2048)
+#   results.tar  (every JSON, table and PNG: e2e_*.json/.txt/.png, ops*.json, verify.json, hooks' files;
+#                 rewritten after each part, so a run stopped early keeps what finished)
+# The wheels in .whl/ travel with the call (carry ".whl"); see bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/bench/results/run-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/patchdsl-gpu-all.XXXXXX)
 LOG=$OUT/bench.log
 : >"$LOG"
-T_TESTS=${T_TESTS:-120}
-T_OPS=${T_OPS:-200}
-T_E2E=${T_E2E:-120}
-T_SPEC=${T_SPEC:-50}
-T_VERIFY=${T_VERIFY:-150}
-T_PROF=${T_PROF:-80}
-PARTS=${*:-all}
-case " $PARTS " in *" all "*) PARTS="tests verify ops specialise e2e" ;; esac
+T0=$(date +%s)
+TOTAL=${TOTAL:-580}
+RESERVE=12
+STEPS=${E2E_STEPS:-10}
+ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
+EXTRA="sweep specialise profile"     # not in "all": the first round's other parts, by name only
+PARTS=${PARTS:-${*:-all}}
+PARTS=${PARTS//,/ }
+case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PATCHDSL_CACHE=${PATCHDSL_CACHE:-/tmp/patchdsl-kernels}
@@ -33,20 +61,24 @@ export PATCHDSL_CACHE=${PATCHDSL_CACHE:-/tmp/patchdsl-kernels}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 say() { echo "== $*" | tee -a "$LOG"; }
-t_start=$(date +%s)
+X() { if [ "${DRY:-0}" = 1 ]; then echo "DRY: $*" >>"$LOG"; return 0; fi; "$@"; }   # DRY=1: say, do not run
+now() { date +%s; }
+left() { echo $(( T0 + TOTAL - RESERVE - $(now) )); }
+pack() { tar -cf "$OUT/results.tar.tmp" -C "$WORK" . 2>>"$LOG" && mv -f "$OUT/results.tar.tmp" "$OUT/results.tar"; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >>"$LOG" 2>&1 && say "installed $(ls .whl | tr '\n' ' ')" || say "WARNING: wheel install failed (see bench.log)"
 else
-  say "WARNING: no .whl/ folder: lark, liger-kernel and cut-cross-entropy will be missing"
+  say "WARNING: no .whl/ folder: lark, liger-kernel, cut-cross-entropy, trl, kernels will be missing"
 fi
 export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 nvidia-smi -L 2>&1 | tee -a "$LOG"
-python3 - <<'EOF' 2>&1 | tee -a "$LOG"
+timeout 60 python3 - <<'EOF' 2>&1 | tee -a "$LOG"
 import importlib
-for m in ("torch", "triton", "transformers", "lark", "liger_kernel", "cut_cross_entropy", "matplotlib"):
+for m in ("torch", "triton", "transformers", "lark", "liger_kernel", "cut_cross_entropy", "trl", "datasets",
+          "kernels", "matplotlib", "xdist"):
     try:
         mod = importlib.import_module(m)
         print(f"{m} {getattr(mod, '__version__', '?')}", end="; ")
@@ -57,80 +89,175 @@ print(f"cuda {torch.version.cuda}, {torch.cuda.get_device_name(0) if torch.cuda.
 EOF
 
 status=()
-run_part() {  # name seconds command...
+# limit NAME DEFAULT: the part's limit, cut to what is left of TOTAL
+limit() {
+  local var="T_$(echo "$1" | tr '[:lower:]' '[:upper:]')" l
+  l=${!var:-$2}
+  local r; r=$(left)
+  [ "$r" -lt "$l" ] && l=$r
+  echo "$l"
+}
+# run_part NAME LIMIT command...: output into bench.log, never stops the script
+run_part() {
   local name=$1 secs=$2; shift 2
-  local t0=$(date +%s)
+  local t0; t0=$(now)
   say "$name (limit ${secs}s): $*"
-  timeout -k 10 "$secs" "$@" >>"$LOG" 2>&1
+  X timeout -k 5 "$secs" "$@" >>"$LOG" 2>&1
   local rc=$?
   local what="rc $rc"
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && what="TIMED OUT (partial results kept)"
-  say "$name: $what after $(( $(date +%s) - t0 ))s"
+  { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && what="TIMED OUT at ${secs}s (partial results kept)"
+  say "$name: $what after $(( $(now) - t0 ))s"
   status+=("$name: $what")
+}
+e2e() {  # e2e NAME LIMIT args...: bench e2e with its own budget inside the part's limit
+  local name=$1 lim=$2; shift 2
+  run_part "$name" "$lim" python3 -m patchdsl.cli bench e2e --out "$WORK" --name "$name" \
+    --budget $(( lim > 20 ? lim - 8 : lim - 3 )) "$@"
+  [ -f "$WORK/$name.txt" ] && cat "$WORK/$name.txt" >>"$WORK/summary.parts"
 }
 
 for part in $PARTS; do
+  case " $ALL $EXTRA " in *" $part "*) ;; *) say "unknown part '$part' (known: $ALL $EXTRA)"; continue ;; esac
   case $part in
-    tests)
-      t0=$(date +%s)
-      # 12 workers when pytest-xdist is there (the image has it); the sm_90 compile-only checks ran in CI already
-      xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n ${TEST_WORKERS:-12}"
-      say "tests (limit ${T_TESTS}s): pytest ${TEST_ARGS:-tests/kernels} -v $xd"
-      timeout -k 10 "$T_TESTS" python3 -m pytest ${TEST_ARGS:-tests/kernels} -v -rfE --tb=short --durations=15 $xd -p no:cacheprovider \
-        --deselect tests/kernels/test_cuda_compile.py >"$OUT/tests.log" 2>&1
-      rc=$?
-      what="rc $rc"; { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && what="TIMED OUT"
-      say "tests: $what after $(( $(date +%s) - t0 ))s: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -n 1)"
-      status+=("tests: $what: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -n 1)")
-      grep -E "(FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$LOG"
+    tests)   lim=$(limit tests 45) ;;
+    e2e_qwen3) lim=$(limit e2e_qwen3 170) ;;
+    e2e_llama) lim=$(limit e2e_llama 50) ;;
+    e2e_gemma) lim=$(limit e2e_gemma 50) ;;
+    e2e_small) lim=$(limit e2e_small 40) ;;
+    verify)  lim=$(limit verify 65) ;;
+    compile_check) lim=$(limit compile_check 20) ;;
+    mixed_verify) lim=$(limit mixed_verify 15) ;;
+    posttrain) lim=$(limit posttrain 20) ;;
+    ops)     lim=$(limit ops 40) ;;
+    e2e_specs) lim=$(limit e2e_specs 40) ;;
+    sweep)   lim=$(limit sweep 300) ;;
+    specialise) lim=$(limit specialise 120) ;;
+    profile) lim=$(limit profile 90) ;;
+  esac
+  if [ "$lim" -lt 10 ]; then
+    say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
+  fi
+  case $part in
+    tests)   # (a) gpu-marked tests first (new GPU checks of other helpers), then bf16 kernel tests at real sizes
+      t0=$(now)
+      xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n ${TEST_WORKERS:-4}"
+      to=""; python3 -c "import pytest_timeout" 2>/dev/null && to="--timeout 120"
+      l1=$(( lim * 55 / 100 ))
+      say "tests (limit ${lim}s): pytest tests -m gpu -x $xd (${l1}s), then tests/kernels -k '${TEST_K:-bf16}' -x $xd"
+      X timeout -k 5 "$l1" python3 -m pytest tests -m gpu -x -q -rfEs --tb=short --durations=8 $xd $to -p no:cacheprovider \
+        >"$OUT/tests.log" 2>&1
+      rc1=$?
+      l2=$(( lim - ($(now) - t0) )); [ "$l2" -lt 5 ] && l2=5
+      echo "---------------- kernel tests (${l2}s) ----------------" >>"$OUT/tests.log"
+      X timeout -k 5 "$l2" python3 -m pytest tests/kernels -k "${TEST_K:-bf16}" -x -q -rfE --tb=short --durations=8 $xd $to \
+        -p no:cacheprovider --deselect tests/kernels/test_cuda_compile.py >>"$OUT/tests.log" 2>&1
+      rc2=$?
+      res=$(grep -E "^[=]* ?[0-9]+ (passed|failed)|[0-9]+ (passed|failed|error)" "$OUT/tests.log" | sed 's/=//g' | tr '\n' '|')
+      what="gpu-marked rc $rc1, kernels rc $rc2"
+      { [ $rc1 -eq 124 ] || [ $rc2 -eq 124 ]; } && what="$what (124 = cut by its limit)"
+      say "tests: $what after $(( $(now) - t0 ))s: $res"
+      status+=("tests: $what: $res")
+      grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$LOG"
       ;;
-    ops|issue|sweep)
-      sel=""; name=ops; lim=$T_OPS; args=${OPS_ARGS:-}
-      [ "$part" = issue ] && sel="--no-sweep"
-      [ "$part" = sweep ] && sel="--sweep-only" && name=ops_sweep && lim=${T_SWEEP:-$T_OPS} && args=${SWEEP_ARGS:-$args}
-      run_part "$part" "$lim" python3 -m patchdsl.cli bench ops --json "$OUT/$name.json" --no-png \
-        --budget $(( lim - 45 )) $sel $args
+    e2e_qwen3)   # (b) the key measurement
+      e2e e2e_qwen3 "$lim" --model Qwen/Qwen3-0.6B --batch 16 --seq 2048 --steps "$STEPS" --warmup 2 \
+        --variants "${QWEN3_VARIANTS:-patchdsl,liger,patchdsl+compile,compile,hf}" --no-oom-retry \
+        --variant-timeout "${T_VARIANT:-110}"
       ;;
-    verify)   # gradient parity of the shipped Qwen3 spec on the full Qwen3-0.6B architecture, bf16
-      run_part verify "$T_VERIFY" sh -c "python3 -m patchdsl.cli verify specs/qwen3.kpatch --model Qwen/Qwen3-0.6B \
-        --full --device cuda --dtype bf16 --batch 4 --seq 1024 --steps 2 --json --progress >'$OUT/verify.json'"
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['verdict']); [print('  FAIL', s['path'], s['op'], s['max_rel_err']) for s in d['sites'] if not s['passed']]" \
-        "$OUT/verify.json" 2>&1 | tee -a "$LOG" | tail -n 12 >/tmp/patchdsl-verify.txt
-      status+=("verify: $(head -n 1 /tmp/patchdsl-verify.txt 2>/dev/null)")
+    e2e_llama)
+      e2e e2e_llama "$lim" --model meta-llama/Llama-3.2-1B --batch 8 --seq 2048 --steps "$STEPS" --warmup 2 \
+        --variants "${LLAMA_VARIANTS:-patchdsl,liger}" --no-oom-retry
+      ;;
+    e2e_gemma)
+      e2e e2e_gemma "$lim" --model google/gemma-3-1b-pt --batch 8 --seq 2048 --steps "$STEPS" --warmup 2 \
+        --variants "${GEMMA_VARIANTS:-patchdsl,liger}" --no-oom-retry
+      ;;
+    e2e_small)   # (d) batch 1 and 4: is the step bound by the host? (host ms vs step ms in the table)
+      e2e e2e_small "$lim" --model Qwen/Qwen3-0.6B --batch 1,4 --seq 2048 --steps 20 --warmup 3 \
+        --variants "${SMALL_VARIANTS:-patchdsl,liger}" --no-oom-retry ${SMALL_ISOLATION---in-process}
+      ;;
+    verify)  # (e) gradient parity of the shipped Qwen3 spec on the full Qwen3-0.6B architecture, bf16
+      run_part verify "$lim" sh -c "python3 -m patchdsl.cli verify specs/qwen3.kpatch --model Qwen/Qwen3-0.6B \
+        --device cuda --dtype bf16 --batch 4 --seq 1024 --steps 2 --full --json --progress >'$WORK/verify.json'"
+      v=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d.get('verdict')); [print('  FAIL', s.get('path'), s.get('op'), s.get('max_rel_err')) for s in d.get('sites', []) if not s.get('passed')]" \
+        "$WORK/verify.json" 2>/dev/null | head -n 12)
+      say "verify verdict: ${v:-none (no complete JSON)}"
+      status+=("verify: $(echo "${v:-no verdict}" | head -n 1)")
+      ;;
+    compile_check|mixed_verify)   # (f) hooks written by other helpers: run only when present
+      f=bench/$part.py
+      if [ -f "$f" ]; then
+        mkdir -p "$WORK/$part"
+        PART_OUT="$WORK/$part" run_part "$part" "$lim" python3 "$f"
+      else
+        say "$part: $f not present, skipped"; status+=("$part: not present")
+      fi
+      ;;
+    posttrain)
+      if [ -f bench/posttrain_bench.py ]; then
+        mkdir -p "$WORK/posttrain"
+        PART_OUT="$WORK/posttrain" run_part posttrain "$lim" python3 bench/posttrain_bench.py
+      else
+        fams=$(timeout 60 python3 -c "from patchdsl.bench.cases import families; print(','.join(n for n in families() if any(k in n for k in ('logprob', 'jsd', 'dpo', 'grpo', 'kl'))))" 2>>"$LOG")
+        if [ -n "$fams" ]; then
+          run_part posttrain "$lim" python3 -m patchdsl.cli bench ops --ops "$fams" --no-sweep --impls patchdsl,hf,liger \
+            --json "$WORK/ops_posttrain.json" --no-png --budget $(( lim - 12 )) --target-ms 30
+        else
+          say "posttrain: no bench/posttrain_bench.py and no post-training op family in bench/cases.py, skipped"
+          status+=("posttrain: not present")
+        fi
+      fi
+      ;;
+    ops)     # (g) GeGLU and RMSNorm vs torch.compile and Liger; then host time per forward of every op
+      t0=$(now)
+      l1=$(( lim * 65 / 100 ))
+      run_part ops "$l1" python3 -m patchdsl.cli bench ops --ops geglu,rmsnorm --impls patchdsl,compile,liger --no-sweep \
+        --json "$WORK/ops.json" --no-png --budget $(( l1 - 10 )) --target-ms 50
+      l2=$(( lim - ($(now) - t0) ))
+      if [ "$l2" -ge 10 ]; then
+        run_part ops_host "$l2" python3 -m patchdsl.cli bench ops --impls patchdsl --no-sweep --target-ms 20 \
+          --ops "${HOST_OPS:-swiglu,rope,qk_norm_rope,add_rmsnorm,cross_entropy,linear_cross_entropy}" \
+          --json "$WORK/ops_host.json" --no-png --budget $(( l2 - 8 ))
+      fi
+      ;;
+    e2e_specs)   # which spec to ship: the add+norm fusion against the shipped spec, same run
+      e2e e2e_specs "$lim" --model Qwen/Qwen3-0.6B --batch 16 --seq 2048 --steps "$STEPS" --warmup 2 \
+        --variants "${SPECS_VARIANTS:-patchdsl}" --spec qwen3 --spec qwen3_addnorm --no-oom-retry
+      ;;
+    sweep)   # every op at the sweep shapes against its peers
+      run_part sweep "$lim" python3 -m patchdsl.cli bench ops --sweep-only --json "$WORK/ops_sweep.json" --no-png \
+        --budget $(( lim - 30 )) ${SWEEP_ARGS:-}
       ;;
     specialise)   # specialised kernel vs the generic (looped/masked) variant of each op
-      run_part specialise "$T_SPEC" python3 -m patchdsl.cli bench specialise --json "$OUT/specialise.json" \
-        --budget $(( T_SPEC - 25 )) ${SPEC_ARGS:-}
+      run_part specialise "$lim" python3 -m patchdsl.cli bench specialise --json "$WORK/specialise.json" \
+        --budget $(( lim - 25 )) ${SPEC_ARGS:-}
       ;;
-    profile)   # torch.profiler kernel tables (qk_norm_rope, linear CE, one e2e training step), into bench.log
-      run_part profile "$T_PROF" python3 bench/profile_gpu.py ${PROF_ARGS:-}
+    profile)   # torch.profiler kernel tables, into bench.log
+      run_part profile "$lim" python3 bench/profile_gpu.py ${PROF_ARGS:-}
       ;;
-    e2e)
-      run_part e2e "$T_E2E" python3 -m patchdsl.cli bench e2e --json "$OUT/e2e.json" --no-png \
-        --budget $(( T_E2E - 35 )) ${E2E_ARGS:-}
-      ;;
-    *) say "unknown part '$part' (use: all tests verify ops issue sweep specialise profile e2e)" ;;
   esac
+  pack
 done
 
-files=()
-[ -f "$OUT/ops.json" ] && files+=("$OUT/ops.json")
-[ -f "$OUT/ops_sweep.json" ] && files+=("$OUT/ops_sweep.json")
-[ -f "$OUT/e2e.json" ] && files+=("$OUT/e2e.json")
-if [ ${#files[@]} -gt 0 ]; then
-  python3 -m patchdsl.cli bench plot "${files[@]}" --png "$OUT/bench.png" >>"$LOG" 2>&1
-  python3 -m patchdsl.cli bench summary "${files[@]}" >"$OUT/summary.txt" 2>>"$LOG"
+# ---------------------------------------------------------------- summary (printed last)
+ops_files=(); for f in ops.json ops_host.json ops_posttrain.json ops_sweep.json; do [ -f "$WORK/$f" ] && ops_files+=("$WORK/$f"); done
+plot_files=("${ops_files[@]+"${ops_files[@]}"}"); [ -f "$WORK/e2e_qwen3.json" ] && plot_files+=("$WORK/e2e_qwen3.json")
+if [ ${#plot_files[@]} -gt 0 ]; then
+  timeout 30 python3 -m patchdsl.cli bench plot "${plot_files[@]}" --png "$OUT/bench.png" >>"$LOG" 2>&1
 fi
-rm -f "$OUT"/*.tmp
 {
-  echo
-  echo "=============================== SUMMARY ($(( $(date +%s) - t_start ))s) ==============================="
+  echo "=============================== SUMMARY ($(( $(now) - T0 ))s of TOTAL=${TOTAL}s) ==============================="
   grep -E "^(NVIDIA|GPU )|^torch " "$LOG" | head -n 3
   printf '%s\n' ${status[@]+"${status[@]}"}
   [ -f "$OUT/tests.log" ] && grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 8
-  [ -f "$OUT/summary.txt" ] && cat "$OUT/summary.txt"
-  [ -f "$OUT/specialise.txt" ] && cat "$OUT/specialise.txt" && cat "$OUT/specialise.txt" >>"$OUT/summary.txt" \
-    && rm -f "$OUT/specialise.txt"    # at most 8 files come back from the device machine
-  echo "files: $(cd "$OUT" && ls | tr '\n' ' ')"
-} 2>&1
+  [ -f "$WORK/summary.parts" ] && cat "$WORK/summary.parts"
+  if [ ${#ops_files[@]} -gt 0 ]; then
+    timeout 30 python3 -m patchdsl.cli bench summary "${ops_files[@]}" 2>>"$LOG"
+  fi
+  echo "files: $(cd "$OUT" && ls | tr '\n' ' '); results.tar: $(tar -tf "$OUT/results.tar" 2>/dev/null | grep -v '/$' | sed 's|^\./||' | tr '\n' ' ')"
+} >"$OUT/summary.txt" 2>&1
+cp "$OUT/summary.txt" "$WORK/summary.txt" 2>/dev/null
+pack
+rm -rf "$WORK"
+cat "$OUT/summary.txt"
 exit 0

@@ -32,7 +32,7 @@ def profile_step(n_rows: int) -> None:
 
     o = E2EOptions(batch=16, seq=2048, warmup=2, steps=1)
     model, _ = build_model(o)
-    text, _, _ = filtered_spec(o.spec)
+    text, _, _ = filtered_spec(o.spec_list()[0])
     patchdsl.apply(patchdsl.plan(text, model, dtypes=("bf16",)), model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

@@ -277,11 +277,37 @@ def test_targets_verdicts():
     assert {a: c for a, b, c in report.target_rows(doc, None)}["RMSNorm 16384x1024 fwd+bwd <= 0.045 ms"] == "FAIL"
     row["fwd_bwd_ms"], row["correct"], row["err_max"] = 0.01, False, 0.5
     assert {a: c for a, b, c in report.target_rows(doc, None)}["RMSNorm 16384x1024 fwd+bwd <= 0.045 ms"] == "FAIL"
-    e2e = {"options": {"batch": 16, "seq": 2048},
-           "variants": [{"variant": "patchdsl", "status": "ok", "tokens_per_s": 120_000, "peak_bytes": 40 * 2**30}]}
-    assert report.target_rows(None, e2e)[-1][2] == "PASS"
-    e2e["variants"][0]["peak_bytes"] = 50 * 2**30
-    assert report.target_rows(None, e2e)[-1][2] == "FAIL"
+    host = {a: (b, c) for a, b, c in report.target_rows(doc, None)}["host time to issue one forward <= 30 us: rmsnorm 16384x1024"]
+    assert host[1] == "PASS"
+    lce = dict(row, op="linear_cross_entropy", label="16384x1024x151936", flops=1e12, host_fwd_us=140.0, correct=True)
+    assert {a: c for a, b, c in report.target_rows({"results": [lce]}, None)}[
+        "host time to issue one forward <= 150 us: linear_cross_entropy 16384x1024x151936"] == "PASS"
+
+
+def _e2e_doc(mt, batch, rows):
+    return {"options": {"batch": batch, "seq": 2048}, "model": {"type": mt},
+            "variants": [dict(variant=n, base=n.split(":")[0], status="ok", tokens_per_s=t, peak_bytes=g * 2**30,
+                              batch=batch, step_ms=s, losses=[1.0]) for n, t, g, s in rows]}
+
+
+@pytest.mark.parametrize("mt,batch,ratio", [("qwen3", 16, 1.20), ("llama", 8, 1.10), ("gemma3_text", 8, 1.50)])
+def test_e2e_targets_against_liger(mt, batch, ratio):
+    ok = _e2e_doc(mt, batch, [("patchdsl", 100_000 * ratio + 1, 46.5, 300), ("liger", 100_000, 46.0, 330)])
+    (what, measured, verdict), = report.e2e_target_rows(ok)
+    assert verdict == "PASS" and f"{ratio:.2f}x Liger" in what
+    slow = _e2e_doc(mt, batch, [("patchdsl", 100_000 * ratio - 10, 46.0, 300), ("liger", 100_000, 46.0, 330)])
+    assert report.e2e_target_rows(slow)[0][2] == "FAIL"
+    fat = _e2e_doc(mt, batch, [("patchdsl", 200_000, 47.5, 300), ("liger", 100_000, 46.0, 330)])
+    assert report.e2e_target_rows(fat)[0][2] == "FAIL"                  # more than Liger + 1 GiB
+    assert report.e2e_target_rows(_e2e_doc(mt, batch + 1, [("patchdsl", 1, 1, 1), ("liger", 1, 1, 1)])) == []
+
+
+def test_e2e_step_target_at_batch_one():
+    doc = _e2e_doc("qwen3", 1, [("patchdsl", 45_000, 10, 44.0), ("liger", 11_000, 10, 180.0)])
+    rows = {a: c for a, b, c in report.e2e_target_rows(doc)}
+    assert rows["e2e qwen3 1x2048: patchdsl step <= 45 ms"] == "PASS"
+    doc["variants"][0]["step_ms"] = 90.0
+    assert {a: c for a, b, c in report.e2e_target_rows(doc)}["e2e qwen3 1x2048: patchdsl step <= 45 ms"] == "FAIL"
 
 
 def test_cli_bad_arguments():
@@ -292,28 +318,129 @@ def test_cli_bad_arguments():
 
 
 # ----------------------------------------------------------------------------- e2e
-def test_e2e_tiny_same_weights_same_losses(tmp_path):
+def test_e2e_fresh_processes_same_weights_same_losses(tmp_path):
+    """Each row in its own worker process: the same seeded weights and batches, so the losses agree."""
     from patchdsl.bench.e2e import E2EOptions, run_e2e
 
-    o = E2EOptions(device="cpu", dtype="fp32", batch=2, seq=8, steps=1, warmup=1, variants=("patchdsl", "hf"),
-                   tiny=True, json_path=str(tmp_path / "e2e.json"), quiet=True)
+    o = E2EOptions(device="cpu", dtype="fp32", batch=2, seq=8, steps=1, warmup=0, variants=("patchdsl", "hf"),
+                   tiny=True, json_path=str(tmp_path / "e2e.json"), quiet=True, variant_timeout_s=300)
     doc = run_e2e(o)
     assert json.loads((tmp_path / "e2e.json").read_text())["complete"] is True
+    assert doc["isolation"] == "a fresh process per row"
     v = {x["variant"]: x for x in doc["variants"]}
-    assert list(v) == ["patchdsl", "hf"]
+    assert list(v) == ["patchdsl", "hf"]                  # the order asked for
     for x in v.values():
-        assert x["status"] == "ok", x.get("error")
-        assert len(x["losses"]) == 2 and x["tokens_per_s"] > 0 and x["micro_batch"] == 2
+        assert x["status"] == "ok", (x.get("error"), x.get("output_tail"), x.get("traceback"))
+        assert len(x["losses"]) == 1 and x["tokens_per_s"] > 0 and x["micro_batch"] == 2
+        assert x["process"]["rc"] == 0 and x["env"]["patchdsl"]
     assert v["patchdsl"]["patched_sites"] > 0 and not v["patchdsl"]["refused"]
-    assert abs(v["patchdsl"]["losses"][0] - v["hf"]["losses"][0]) < 1e-4
-    assert doc["loss_agreement"]["patchdsl"]["max_abs_diff"] < 1e-3
-    assert "patchdsl" in report.e2e_summary(doc)
+    assert v["patchdsl"]["spec"].endswith("qwen3.kpatch")          # the family's shipped spec by default
+    assert doc["loss_reference"] == "hf"
+    assert doc["loss_agreement"]["patchdsl"]["max_abs_diff"] < 1e-4
+    assert doc["model"]["type"] == "qwen3" and doc["env"]["torch"]
+    text = report.e2e_summary(doc)
+    assert "patchdsl" in text and "loss per step" in text
+
+
+_FAKE_WORKER = r"""
+import json, os, signal, sys, time
+req, out = sys.argv[1], sys.argv[2]
+r = json.load(open(req))
+row, micro = r["row"], r["micro"]
+mode = os.environ["FAKE_E2E"]
+if row["variant"] == "compile" and mode == "crash":
+    print("RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
+    os.kill(os.getpid(), signal.SIGSEGV)
+if row["variant"] == "compile" and mode == "hang":
+    time.sleep(60)
+rec = {"variant": row["name"], "base": row["variant"], "status": "ok", "losses": [2.0, 1.5],
+       "tokens_per_s": 100.0 * micro, "step_ms": 10.0, "micro_batch": micro, "batch": row["batch"],
+       "env": {"torch": "x", "patchdsl": "y"}, "model": {"type": "qwen3", "params": 1}}
+if row["variant"] == "patchdsl":
+    rec["spec"] = row["spec"]
+    rec["losses"] = [2.0, 1.5 + 1e-3]
+if row["variant"] == "liger" and micro > 2:
+    rec = {"variant": row["name"], "status": "oom", "error": "OutOfMemoryError: planted", "micro_batch": micro}
+json.dump(rec, open(out, "w"))
+"""
+
+
+@pytest.mark.parametrize("mode", ["crash", "hang"])
+def test_e2e_a_dying_or_hanging_worker_is_an_error_row_and_the_run_goes_on(tmp_path, monkeypatch, mode):
+    """The parent's side of the isolation, with a stand-in worker (no torch in it: fast)."""
+    import sys as _sys
+
+    from patchdsl.bench import e2e
+
+    script = tmp_path / "worker.py"
+    script.write_text(_FAKE_WORKER)
+    monkeypatch.setattr(e2e, "_worker_cmd", lambda req, out: [_sys.executable, str(script), str(req), str(out)])
+    monkeypatch.setenv("FAKE_E2E", mode)
+    o = e2e.E2EOptions(device="cpu", batch=4, seq=8, variants=("hf", "compile", "liger", "patchdsl"),
+                       specs=("qwen3", "llama"), quiet=True, variant_timeout_s=3,
+                       json_path=str(tmp_path / "e2e.json"))
+    doc = e2e.run_e2e(o)
+    v = {x["variant"]: x for x in doc["variants"]}
+    assert list(v) == ["hf", "compile", "liger", "patchdsl:qwen3", "patchdsl:llama"]
+    bad = v["compile"]
+    assert bad["status"] == "error"
+    if mode == "crash":
+        assert "process died (killed by SIGSEGV)" in bad["error"] and "illegal memory access" in bad["error"]
+    else:
+        assert bad["error"].startswith("timed out after 3 s") and bad["process"]["timed_out"]
+    assert v["liger"]["status"] == "ok" and v["liger"]["micro_batch"] == 2 and len(v["liger"]["oom_retries"]) == 1
+    assert v["patchdsl:llama"]["spec"].endswith("llama.kpatch")
+    assert doc["loss_agreement"]["patchdsl:qwen3"]["max_abs_diff"] == pytest.approx(1e-3)
+    assert doc["complete"] is True and json.loads((tmp_path / "e2e.json").read_text())["complete"] is True
+    text = report.e2e_summary(doc)
+    assert re.search(r"compile\s+\[1\] error", text) and "[1] compile: error" in text
+
+
+def test_e2e_rows_specs_and_batches():
+    from patchdsl.bench.e2e import E2EOptions, default_spec, plan_rows, resolve_spec
+
+    assert default_spec("Qwen/Qwen3-0.6B") == "qwen3"
+    assert default_spec("google/gemma-3-1b-pt") == "gemma3"
+    assert default_spec("meta-llama/Llama-3.2-1B") == "llama"
+    assert resolve_spec("qwen3").endswith("specs/qwen3.kpatch")
+    assert resolve_spec("qwen3_addnorm").endswith("bench/specs/qwen3_addnorm.kpatch")
+    with pytest.raises(ValueError, match="no such file.*known:.*qwen3"):
+        resolve_spec("nonexistent_spec")
+    with pytest.raises(ValueError, match="unknown variant"):
+        plan_rows(E2EOptions(variants=("hf", "eager")))
+    rows = plan_rows(E2EOptions(model="meta-llama/Llama-3.2-1B", batches=(1, 4), seq=2048,
+                                variants=("patchdsl", "liger", "patchdsl+compile"), specs=("llama", "llama_addnorm")))
+    assert [r.name for r in rows] == [
+        "patchdsl:llama @1x2048", "patchdsl:llama_addnorm @1x2048", "liger @1x2048",
+        "patchdsl+compile:llama @1x2048", "patchdsl+compile:llama_addnorm @1x2048",
+        "patchdsl:llama @4x2048", "patchdsl:llama_addnorm @4x2048", "liger @4x2048",
+        "patchdsl+compile:llama @4x2048", "patchdsl+compile:llama_addnorm @4x2048"]
+    assert [r.name for r in plan_rows(E2EOptions(variants=("liger", "hf"), isolate=False))] == ["hf", "liger"]
+
+
+@pytest.mark.parametrize("spec", ["qwen3_addnorm", "llama_addnorm"])
+def test_bench_spec_variants_plan_on_their_family(spec):
+    """The spec variants in bench/specs/ plan on their family with every rule matching (meta model)."""
+    import patchdsl
+    from patchdsl.bench.e2e import filtered_spec
+    from patchdsl.models import load_model
+
+    fam = {"qwen3": "Qwen/Qwen3-0.6B", "llama": "meta-llama/Llama-3.2-1B"}[spec.split("_")[0]]
+    model = load_model(fam, meta=True, log=None).model
+    text, dropped, _ = filtered_spec(spec)
+    assert not dropped
+    plan = patchdsl.plan(text, model, dtypes=("bf16",))
+    ops = [s.op for s in plan.sites]
+    n = model.config.num_hidden_layers
+    assert ops.count("fused_add_rmsnorm") == n and ops.count("fused_rmsnorm") == n + 1   # input norms + final
+    assert all(a == b for _, a, b in plan.totals), plan.totals            # every norm covered, once
 
 
 def test_e2e_micro_batches_accumulate_to_the_same_loss(tmp_path):
     from patchdsl.bench.e2e import E2EOptions, run_e2e
 
-    kw = dict(device="cpu", dtype="fp32", batch=2, seq=8, steps=1, warmup=0, variants=("hf",), tiny=True, quiet=True)
+    kw = dict(device="cpu", dtype="fp32", batch=2, seq=8, steps=1, warmup=0, variants=("hf",), tiny=True, quiet=True,
+              isolate=False)
     a = run_e2e(E2EOptions(**kw))
     b = run_e2e(E2EOptions(micro_batch=1, **kw))
     la, lb = a["variants"][0]["losses"], b["variants"][0]["losses"]

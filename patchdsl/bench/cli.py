@@ -1,13 +1,15 @@
 """``patchdsl bench``: per-op and end-to-end benchmarks (the click command forwards its raw args here).
 
     patchdsl bench ops  [--json F] [--ops rmsnorm,swiglu] [--impls patchdsl,hf,...] [--no-sweep] [--budget S]
-    patchdsl bench e2e  [--json F] [--batch 16 --seq 2048] [--variants hf,patchdsl,liger] [--budget S]
+    patchdsl bench e2e  [--model ID] [--spec S]... [--batch 16[,4]] [--variants hf,compile,liger,patchdsl,patchdsl+compile]
+                        [--out DIR] [--name e2e] [--budget S]   # a fresh process per variant
     patchdsl bench summary FILE.json [FILE.json]   # print the tables (and the issue's targets) again
     patchdsl bench plot FILE.json [FILE.json] --png F
     patchdsl bench specialise [--json F] [--ops rmsnorm,rope] [--eager] [--budget S]   # specialised vs generic
 
-Results go to --json, else to $OUT/<ops|e2e>.json when $OUT is set, else to the current directory
-(never into the source tree or the installed package unless a path there is given).
+Results go to --json, else to $OUT/ops.json when $OUT is set, else to the current directory (ops);
+e2e writes NAME.json/.txt/.png into --out, else $OUT, else the current directory (never into the
+source tree or the installed package unless a path there is given).
 On a machine without a GPU the default is a tiny CPU run through the Triton interpreter (for
 testing the harness; its times mean nothing).  Exit status: 0, or 1 when a patchdsl kernel's
 result was wrong (relative error over the tolerance), 2 for bad arguments.
@@ -69,22 +71,40 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=1234)
     o.add_argument("--quiet", action="store_true")
 
-    e = sub.add_parser("e2e", help="end-to-end training throughput (Qwen3-0.6B, random weights)")
-    e.add_argument("--json")
+    e = sub.add_parser("e2e", help="end-to-end training throughput, a fresh process per variant",
+                       description="End-to-end training of a causal LM with random weights: tokens/s, step time, "
+                                   "host time per step, peak memory and every step's loss, per variant and spec, each "
+                                   "in a fresh process. Writes NAME.json, NAME.txt (the table) and NAME.png into "
+                                   "--out (else $OUT, else the current directory).")
+    e.add_argument("--out", help="output folder (default: $OUT, else the current directory)")
+    e.add_argument("--name", default="e2e", help="file stem of the outputs (default e2e)")
+    e.add_argument("--json", help="JSON path (overrides --out/--name for the JSON)")
     e.add_argument("--png")
     e.add_argument("--no-png", action="store_true")
     e.add_argument("--device")
-    e.add_argument("--model", default="Qwen/Qwen3-0.6B")
-    e.add_argument("--spec", default="specs/qwen3.kpatch")
+    e.add_argument("--model", default="Qwen/Qwen3-0.6B",
+                   help="Hub id with a shipped config (Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B, "
+                        "google/gemma-3-1b-pt, ...), a model folder or a config.json; random weights")
+    e.add_argument("--spec", action="append",
+                   help="spec path or name (shipped specs/NAME.kpatch or bench/specs/NAME.kpatch); repeat it for "
+                        "a patchdsl row per spec (default: the shipped spec of the model's family)")
     e.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16 (fp32 with --tiny on CPU)")
-    e.add_argument("--batch", type=int)
+    e.add_argument("--batch", help="batch size, or several comma-separated (a row per batch size)")
     e.add_argument("--seq", type=int)
     e.add_argument("--micro-batch", type=int, help="split each batch (gradient accumulation)")
     e.add_argument("--steps", type=int, default=None, help="measured steps (default 5; 2 tiny)")
     e.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; 1 tiny)")
-    e.add_argument("--variants", default="hf,patchdsl,liger", help="hf,patchdsl,compile,liger (liger runs last)")
+    e.add_argument("--variants", default="hf,patchdsl,liger",
+                   help="comma-separated, run in this order: hf,compile,liger,patchdsl,patchdsl+compile")
     e.add_argument("--tiny", action="store_true", help="tiny architecture (default on the CPU)")
-    e.add_argument("--budget", type=float, default=1e9)
+    e.add_argument("--budget", type=float, default=1e9,
+                   help="seconds for the whole run: rows not started by then are skipped, a running one is stopped")
+    e.add_argument("--variant-timeout", type=float, default=1e9, help="seconds per row's process")
+    e.add_argument("--no-oom-retry", action="store_true",
+                   help="out of memory gives an error row instead of a retry at half the micro-batch")
+    e.add_argument("--in-process", action="store_true", help="every row in this process (no isolation)")
+    e.add_argument("--compile-backend", default="inductor")
+    e.add_argument("--compile-mode", default=None, help="torch.compile mode (default: its default)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--quiet", action="store_true")
 
@@ -194,26 +214,41 @@ def run(argv: list[str]) -> int:
         print(f"results: {path}")
         return 1 if _wrong(doc) else 0
     if a.cmd == "e2e":
-        from .e2e import E2EOptions, run_e2e
+        from .e2e import E2EOptions, plan_rows, run_e2e
 
         tiny = a.tiny or not cuda
-        path = a.json or str(_out_dir() / "e2e.json")
-        o = E2EOptions(device=device, model=a.model, spec=a.spec,
+        try:
+            batches = tuple(int(x) for x in _csv(a.batch)) if a.batch else ((2 if tiny else 16),)
+        except ValueError:
+            print(f"--batch: expected integers separated by commas, got {a.batch!r}", file=sys.stderr)
+            return 2
+        out = Path(a.out) if a.out else Path(os.environ.get("OUT") or Path.cwd())
+        path = a.json or str(out / f"{a.name}.json")
+        o = E2EOptions(device=device, model=a.model, specs=tuple(a.spec or ()),
                        dtype=a.dtype or ("fp32" if tiny and not cuda else "bf16"),
-                       batch=a.batch or (2 if tiny else 16), seq=a.seq or (16 if tiny else 2048),
+                       batch=batches[0], batches=batches, seq=a.seq or (16 if tiny else 2048),
                        micro_batch=a.micro_batch, steps=a.steps if a.steps is not None else (2 if tiny else 5),
                        warmup=a.warmup if a.warmup is not None else (1 if tiny else 2),
                        variants=_csv(a.variants) or ("hf", "patchdsl"), tiny=tiny, budget_s=a.budget,
+                       variant_timeout_s=a.variant_timeout, oom_retry=not a.no_oom_retry, isolate=not a.in_process,
+                       compile_backend=a.compile_backend, compile_mode=a.compile_mode,
                        json_path=path, seed=a.seed, quiet=a.quiet)
+        try:
+            plan_rows(o)
+        except ValueError as ex:
+            print(f"patchdsl bench e2e: {ex}", file=sys.stderr)
+            return 2
         doc = run_e2e(o)
-        if not a.no_png:
+        if not a.no_png and not doc.get("terminated"):      # a terminated run has seconds left: JSON and table only
             from .plot import plot
 
             plot(None, doc, a.png or str(Path(path).with_suffix(".png")))
-        print(report.e2e_summary(doc))
+        text = report.e2e_summary(doc)
         t = report.targets_summary(None, doc)
         if t:
-            print(t)
-        print(f"results: {path}")
+            text += "\n" + t
+        Path(path).with_suffix(".txt").write_text(text + "\n")
+        print(text)
+        print(f"results: {path} (+ .txt, .png)")
         return 0
     return 2

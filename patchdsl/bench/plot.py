@@ -27,6 +27,13 @@ def plot(ops: dict | None, e2e: dict | None, path: str | Path) -> str | None:
     has_e2e = bool(e2e and any(v.get("status") == "ok" for v in e2e.get("variants", [])))
     if not cases and not has_e2e:
         return None
+    if not cases:             # e2e alone: one panel
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(e2e.get("variants", [])) + 2), 5))
+        _e2e(ax, e2e)
+        env = e2e.get("env", {})
+        fig.suptitle(f"patchdsl bench e2e on {env.get('gpu', env.get('device', '?'))} - torch {env.get('torch')}, "
+                     f"triton {env.get('triton')}, {env.get('date', '')}", fontsize=9)
+        return _save(fig, plt, path)
     fig = plt.figure(figsize=(16, 10))
     gs = fig.add_gridspec(2, 2, height_ratios=[1.2, 1])
     if cases:
@@ -41,6 +48,10 @@ def plot(ops: dict | None, e2e: dict | None, path: str | Path) -> str | None:
     env = (ops or e2e or {}).get("env", {})
     fig.suptitle(f"patchdsl bench on {env.get('gpu', env.get('device', '?'))} - torch {env.get('torch')}, "
                  f"triton {env.get('triton')}, {env.get('date', '')}")
+    return _save(fig, plt, path)
+
+
+def _save(fig: Any, plt: Any, path: str | Path) -> str:
     fig.tight_layout()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -88,19 +99,27 @@ def _bars(ax: Any, ops: dict, cases: list, field: str, invert: bool, title: str)
         ax.legend(fontsize=8)
 
 
+def _color(name: str) -> str:
+    base = name.split(" @")[0]
+    if base.startswith("patchdsl+compile"):
+        return "#ff7f0e"
+    return COLORS.get(base.split(":")[0], "#333333")
+
+
 def _e2e(ax: Any, e2e: dict) -> None:
     vs = [v for v in e2e.get("variants", []) if v.get("status") == "ok"]
     names = [v["variant"] for v in vs]
     tps = [v["tokens_per_s"] / 1000 for v in vs]
-    bars = ax.bar(range(len(vs)), tps, color=[COLORS.get(n, "#333333") for n in names])
+    bars = ax.bar(range(len(vs)), tps, color=[_color(n) for n in names])
     for b, v in zip(bars, vs):
         peak = v.get("peak_bytes")
-        if peak:
-            ax.annotate(f"{peak / 2**30:.1f} GiB", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
-                        va="bottom", fontsize=8)
-    ax.axhline(110, color="black", linestyle="--", linewidth=0.8)
+        label = f"{v['tokens_per_s'] / 1000:.1f}k" + (f"\n{peak / 2**30:.1f} GiB" if peak else "")
+        ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(vs)))
-    ax.set_xticklabels(names)
+    ax.set_xticklabels(names, rotation=20, ha="right", fontsize=7)
     o = e2e.get("options", {})
-    ax.set_title(f"e2e {e2e.get('model', {}).get('type', '')} batch {o.get('batch')}x{o.get('seq')}: "
-                 f"k tokens/s (label: peak memory; dashed: 110k target)", fontsize=10)
+    m = e2e.get("model", {})
+    bs = "/".join(str(b) for b in (o.get("batches") or [o.get("batch")]))
+    failed = [v["variant"] for v in e2e.get("variants", []) if v.get("status") != "ok"]
+    ax.set_title(f"e2e {m.get('name', m.get('type', ''))} batch {bs}x{o.get('seq')}: k tokens/s (label: peak memory)"
+                 + (f"\nno result: {', '.join(failed)}" if failed else ""), fontsize=9)
