@@ -204,10 +204,12 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
 def plan(spec: Spec | str, model: Any, *, target: str | None = None,
          dtypes: tuple[str, ...] | None = None) -> PatchPlan:
     """Plan ``spec`` (a Spec, a path or spec text) against ``model`` (a module, possibly on meta)."""
+    from .check import check_loaded
     from .syntax import load_spec
 
     if not isinstance(spec, Spec):
-        spec = load_spec(spec)
+        text = spec
+        spec = check_loaded(lambda: load_spec(text)).spec
     if target is None:
         from .codegen.env import target as _target
         target = _target()

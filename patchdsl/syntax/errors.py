@@ -8,10 +8,18 @@ from typing import Iterable
 from .ast import Span
 
 
+MAX_ERRORS = 20   # errors reported for one spec; the rest are counted
+
+
 class SpecError(Exception):
     """An error in a spec (or in resolving it against a model) that points at source text.
 
     ``notes`` are extra located lines (e.g. the other rule in a conflict).
+
+    One SpecError can carry several errors of the same spec: ``errors`` is the tuple of the
+    single errors (just ``(self,)`` for a single one), ``message``/``span``/``hint`` are those
+    of the first, and ``render()`` shows every one (at most ``MAX_ERRORS``, then a count).
+    Build one with :meth:`SpecError.combine`.
     """
 
     exit_code = 2
@@ -22,9 +30,51 @@ class SpecError(Exception):
         self.span = span
         self.hint = hint
         self.notes = tuple(notes)
+        self.errors: tuple[SpecError, ...] = (self,)
+        self.more = 0          # errors found beyond the ones kept
+        self.partial = None    # the Spec parsed so far, when parsing failed part-way (see check.check_loaded)
         super().__init__(self.render())
 
+    @classmethod
+    def combine(cls, errors: Iterable["SpecError"], more: int = 0) -> "SpecError":
+        """One SpecError carrying ``errors`` (flattened, first MAX_ERRORS kept, sorted by nothing:
+        they stay in the order found, which is file order)."""
+        flat: list[SpecError] = []
+        extra = more
+        for e in errors:
+            extra += e.more
+            flat.extend(e.errors)
+        if not flat:
+            raise ValueError("SpecError.combine needs at least one error")
+        extra += max(0, len(flat) - MAX_ERRORS)
+        flat = flat[:MAX_ERRORS]
+        if len(flat) == 1 and not extra:
+            return flat[0]
+        first = flat[0]
+        e = cls.__new__(cls)
+        e.message, e.span, e.hint, e.notes = first.message, first.span, first.hint, first.notes
+        e.errors = tuple(flat)
+        e.more = extra
+        e.partial = None
+        Exception.__init__(e, e.render())
+        return e
+
+    @property
+    def count(self) -> int:
+        """How many errors were found (including those not kept)."""
+        return len(self.errors) + self.more
+
     def render(self) -> str:
+        if len(self.errors) > 1 or self.more:
+            blocks = [e.render_one() for e in self.errors]
+            n = len(self.errors) + self.more
+            tail = f"{n} errors"
+            if self.more:
+                tail += f" (the first {len(self.errors)} shown)"
+            return "\n".join(blocks) + "\n" + tail
+        return self.render_one()
+
+    def render_one(self) -> str:
         lines = []
         if self.span is not None:
             lines.append(f"{self.span}: error: {self.message}")
