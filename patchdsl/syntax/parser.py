@@ -587,7 +587,7 @@ def spec_not_found(name: str) -> SpecError:
     stem = stem[:-len(".kpatch")] if stem.endswith(".kpatch") else stem
     dm = did_you_mean(stem, names)
     listing = f"shipped specs: {', '.join(names)}" if names else None
-    hint = "; ".join(x for x in (dm, listing) if x) or None
+    hint = " ".join(x for x in (dm, listing) if x) or None
     return SpecError(f"spec '{_clip(name, 200)}' not found: no such file and no shipped spec of that name", hint=hint)
 
 
