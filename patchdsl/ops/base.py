@@ -90,6 +90,8 @@ def _show(v: Any) -> str:
         return "true" if v else "false"
     if v is None:
         return "none"
+    if isinstance(v, int) and v.bit_length() > 128:
+        return f"an integer of {v.bit_length()} bits"
     s = repr(v) if isinstance(v, str) else str(v)
     return s if len(s) <= 40 else s[:40] + f"... ({len(s)} characters)"
 
