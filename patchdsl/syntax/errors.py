@@ -9,6 +9,7 @@ from .ast import Span
 
 
 MAX_ERRORS = 20   # errors reported for one spec; the rest are counted
+SHOWN_COLUMNS = 120   # a longer source line is shown as a window around the caret
 
 
 class SpecError(Exception):
@@ -94,9 +95,17 @@ def _caret_block(span: Span) -> list[str]:
     if not src:
         return []
     width = max(1, (span.end_col or span.col + 1) - span.col)
+    col = span.col
+    if len(src) > SHOWN_COLUMNS:                   # show a window around the caret
+        start = max(0, col - 1 - SHOWN_COLUMNS // 3)
+        end = start + SHOWN_COLUMNS
+        lead = "..." if start > 0 else ""
+        src = lead + src[start:end] + ("..." if end < len(src) else "")
+        col = col - start + len(lead)
+        width = min(width, SHOWN_COLUMNS - (col - 1 - len(lead)))
     gutter = f"{span.line} | "
-    pad = " " * (len(gutter) + span.col - 1)
-    return [f"  {gutter}{src}", f"  {pad}^{'~' * (width - 1)}"]
+    pad = " " * (len(gutter) + col - 1)
+    return [f"  {gutter}{src}", f"  {pad}^{'~' * (max(1, width) - 1)}"]
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str | None:

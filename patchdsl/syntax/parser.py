@@ -503,8 +503,16 @@ def _resolve_include(name: str, span: Span, ctx: _Ctx, base_dir: Path | None) ->
 
 
 def _read_spec_text(path: Path, span: Span | None, ctx: _Ctx | None = None, shown: str | None = None) -> str:
-    """The text of a spec file; refuses (without showing any content) what is not one."""
+    """The text of a spec file; refuses (without showing any of its content) what is not one.
+
+    ``span``: the include directive (None for a top-level file: errors then point into the file
+    itself, line and column only).
+    """
     shown = shown or str(path)
+
+    def at(offset_line: int = 1, col: int = 1) -> Span:
+        return span if span is not None else Span(shown, offset_line, col, col + 1, "")
+
     if path.suffix != ".kpatch":
         raise SpecError(f"'{shown}' is not a spec file: spec files are named NAME.kpatch", span)
     try:
@@ -515,29 +523,40 @@ def _read_spec_text(path: Path, span: Span | None, ctx: _Ctx | None = None, show
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise SpecError(f"'{shown}' is not a regular file", span)
-        budget = MAX_SPEC_BYTES
         with os.fdopen(fd, "rb", closefd=True) as f:
             fd = -1
-            data = f.read(budget + 1)
+            data = f.read(MAX_SPEC_BYTES + 1)
     except OSError as e:
         raise SpecError(f"cannot read '{shown}': {e.strerror or type(e).__name__}", span) from None
     finally:
         if fd >= 0:
             os.close(fd)
     if len(data) > MAX_SPEC_BYTES:
-        raise SpecError(f"'{shown}' is too large for a spec (over {MAX_SPEC_BYTES:,} bytes)", span)
+        raise SpecError(f"'{shown}' is too large for a spec (over {MAX_SPEC_BYTES:,} bytes)", at(),
+                        hint="a spec is a few lines: use globs rather than one rule per module")
     if ctx is not None:
         ctx.bytes += len(data)
         if ctx.bytes > MAX_TOTAL_BYTES:
-            raise SpecError(f"the spec and its includes are too large (over {MAX_TOTAL_BYTES:,} bytes in all)", span)
+            raise SpecError(f"the spec and its includes are too large (over {MAX_TOTAL_BYTES:,} bytes in all)",
+                            at())
+
+    def where(offset: int) -> tuple[int, int]:
+        head = data[:offset]
+        return head.count(b"\n") + 1, offset - (head.rfind(b"\n") + 1) + 1
+
     try:
         text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SpecError(f"'{shown}' is not a spec: it is not UTF-8 text", span) from None
+    except UnicodeDecodeError as e:
+        ln, col = where(e.start)
+        raise SpecError(f"'{shown}' is not a spec: it is not UTF-8 text (line {ln}, column {col})",
+                        at(ln, col)) from None
+    bad = next((i for i, c in enumerate(text) if ord(c) < 32 and c not in "\t\n\r\f"), None)
+    if bad is not None:
+        ln, col = where(len(text[:bad].encode("utf-8")))
+        raise SpecError(f"'{shown}' is not a spec: it holds control characters, first at line {ln}, "
+                        f"column {col} (a binary file?)", at(ln, col))
     if text.startswith("\ufeff"):
         text = text[1:]
-    if any(ord(c) < 32 and c not in "\t\n\r\f" for c in text):
-        raise SpecError(f"'{shown}' is not a spec: it holds control characters (a binary file?)", span)
     return text
 
 

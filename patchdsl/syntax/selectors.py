@@ -34,7 +34,7 @@ from .errors import SpecError
 
 MAX_SELECTOR_CHARS = 1000
 MAX_BRACE_DEPTH = 8
-MAX_ALTERNATIVES = 1000
+MAX_ALTERNATIVES = 256
 MAX_RANGE = 100_000          # hi - lo of one {lo..hi}
 MAX_RANGE_DIGITS = 18
 MAX_STATES = 20_000
@@ -73,9 +73,6 @@ class _Parser:
         text = self.text
         if not text:
             raise _err("empty selector", self.span)
-        if len(text) > MAX_SELECTOR_CHARS:
-            raise _err(f"selector is too long ({len(text)} characters; at most {MAX_SELECTOR_CHARS})",
-                       self.span, 0, len(text))
         comps = _split_components(text)
         n = len(comps)
         nodes: list[tuple] = []
@@ -102,6 +99,9 @@ class _Parser:
                 if idx > 0 and comps[idx - 1][0] != "**":
                     nodes.append(dot)
                 nodes.append(self.glob(comp, start, 0))
+        if len(text) > MAX_SELECTOR_CHARS:     # checked last: a more precise error may come first
+            raise _err(f"selector is too long ({len(text)} characters; at most {MAX_SELECTOR_CHARS})",
+                       self.span, 0, len(text))
         return _seq(nodes)
 
     def glob(self, text: str, base: int, depth: int) -> tuple:
