@@ -37,8 +37,8 @@ MAX_BRACE_DEPTH = 8
 MAX_ALTERNATIVES = 256
 MAX_RANGE = 100_000          # hi - lo of one {lo..hi}
 MAX_RANGE_DIGITS = 18
-MAX_STATES = 20_000
-_DFA_CACHE_LIMIT = 10_000    # DFA states kept per matcher before the cache is dropped
+MAX_STATES = 5_000
+_DFA_CACHE_LIMIT = 2_000     # DFA states kept per matcher before the cache is dropped
 
 # A range body: two (possibly negative) integers; the digit runs are checked for length before
 # int() ever sees them (int() refuses strings over 4300 digits with a ValueError).
