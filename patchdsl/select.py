@@ -69,13 +69,14 @@ def select_all(rule: Rule, op: Op, index: ModelIndex) -> tuple[list[Match], list
     return out, bad
 
 
-def explain_misfits(rule: Rule, op: Op, misfits: list[tuple[Match, str]]) -> SpecError:
+def explain_misfits(rule: Rule, op: Op, misfits: list[tuple[Match, str]], n_fit: int = 0) -> SpecError:
     """A rule selected modules of the right kind where the op cannot go (a loss op on q_proj)."""
     paths = [m.info.path for m, _ in misfits]
     shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
     sel = ", ".join(("!" if s.negated else "") + s.text for s in rule.selectors)
     hint = ("select it alone: 'lm_head: Linear -> " + op.name + "'") if "lm_head" in misfits[0][1] else None
-    return SpecError(f"{misfits[0][1]}; '{sel}' selects {len(paths)} other module(s): {shown}",
+    other = "other " if n_fit else ""
+    return SpecError(f"{misfits[0][1]}; '{sel}' selects {len(paths)} {other}module(s): {shown}",
                      rule.selectors[0].span, hint=hint)
 
 
