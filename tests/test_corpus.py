@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from patchdsl.check import check_loaded, check_spec
+from patchdsl.check import check_loaded
 from patchdsl.syntax import SpecError, load_spec
 from patchdsl.syntax.parser import MAX_INCLUDE_DEPTH, MAX_INCLUDES, MAX_RULES, read_spec
 

@@ -11,7 +11,6 @@ over 10,000 per CI run (see ``EXAMPLES``); parsing is cheap, so this takes secon
 import random
 import re
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
