@@ -13,6 +13,7 @@ from .ops.base import FlagTypeError, Op
 from .ops.registry import KIND_NAMES, get_op, ops
 from .syntax.ast import Flag, Rule, Span, Spec
 from .syntax.errors import SpecError, did_you_mean
+from .syntax.parser import BAD_VALUE
 from .syntax.selectors import is_glob
 
 
@@ -52,23 +53,29 @@ def _op_or_error(name: str, span: Span) -> Op:
     return op
 
 
-def _typed_flags(op: Op, flags: tuple[Flag, ...]) -> list[tuple[str, FlagValue]]:
+def _typed_flags(op: Op, flags: tuple[Flag, ...], errors: list[SpecError]) -> list[tuple[str, FlagValue]]:
     out: list[tuple[str, FlagValue]] = []
     seen: dict[str, Span] = {}
     for fl in flags:
+        if fl.value is BAD_VALUE:       # its literal was already reported by the parser
+            continue
         spec = op.flag(fl.name)
         if spec is None:
             names = [f.name for f in op.flags]
             hint = did_you_mean(fl.name, names) or (
                 f"{op.name} takes: {', '.join(names)}" if names else f"{op.name} takes no flags")
-            raise SpecError(f"unknown flag '{fl.name}' for {op.name}", fl.span, hint=hint)
+            errors.append(SpecError(f"unknown flag '{fl.name}' for {op.name}", fl.span, hint=hint))
+            continue
         if fl.name in seen:
-            raise SpecError(f"flag '{fl.name}' given twice", fl.span, notes=[("first given here", seen[fl.name])])
+            errors.append(SpecError(f"flag '{fl.name}' given twice", fl.span,
+                                    notes=[("first given here", seen[fl.name])]))
+            continue
         seen[fl.name] = fl.span
         try:
             value = spec.coerce(fl.value)
         except FlagTypeError as e:
-            raise SpecError(str(e), fl.span, hint=spec.doc) from None
+            errors.append(SpecError(str(e), fl.span, hint=spec.doc))
+            continue
         out.append((fl.name, FlagValue(value, fl.span.short)))
     return out
 
@@ -88,15 +95,63 @@ def _check_kinds(rule: Rule, op: Op) -> None:
             rule.class_pattern.span, hint=f"write '{op.kinds[0]} -> {op.name}'")
 
 
-def check_spec(spec: Spec) -> CheckedSpec:
+def check_spec(spec: Spec, *, prior: SpecError | None = None) -> CheckedSpec:
+    """Check every rule and directive; raise one SpecError carrying all the errors found.
+
+    ``prior``: errors already found in the same spec (a parse that failed part-way, whose
+    ``partial`` spec is being checked), reported together with these, in file order.
+    """
+    errors: list[SpecError] = []
     defaults: list[tuple[str, str, FlagValue]] = []
     for d in spec.defaults:
-        op = _op_or_error(d.op, d.span)
-        for name, fv in _typed_flags(op, d.flags):
+        try:
+            op = _op_or_error(d.op, d.span)
+        except SpecError as e:
+            errors.append(e)
+            continue
+        for name, fv in _typed_flags(op, d.flags, errors):
             defaults.append((op.name, name, fv))
     rules = []
     for r in spec.rules:
-        op = _op_or_error(r.op.name, r.op.span)
-        _check_kinds(r, op)
-        rules.append(CheckedRule(r, op.name, tuple(_typed_flags(op, r.op.flags))))
+        try:
+            op = _op_or_error(r.op.name, r.op.span)
+            _check_kinds(r, op)
+        except SpecError as e:
+            errors.append(e)
+            continue
+        rules.append(CheckedRule(r, op.name, tuple(_typed_flags(op, r.op.flags, errors))))
+    if prior is not None:
+        errors = in_file_order(list(prior.errors) + errors)
+        if errors or prior.more:
+            raise SpecError.combine(errors, prior.more)
+    if errors:
+        raise SpecError.combine(errors)
     return CheckedSpec(spec, tuple(rules), tuple(defaults))
+
+
+def in_file_order(errors: list[SpecError]) -> list[SpecError]:
+    """Sort errors by position, files in the order they first appear (stable for the rest)."""
+    files: dict[str, int] = {}
+    for e in errors:
+        if e.span is not None:
+            files.setdefault(e.span.file, len(files))
+
+    def key(e: SpecError):
+        if e.span is None:
+            return (len(files), 0, 0)
+        return (files[e.span.file], e.span.line, e.span.col)
+
+    return sorted(errors, key=key)
+
+
+def check_loaded(load) -> CheckedSpec:
+    """``check_spec(load())``; when loading fails part-way, the rules that did parse are
+    checked too and every error is raised at once."""
+    try:
+        spec = load()
+    except SpecError as e:
+        if e.partial is None:
+            raise
+        check_spec(e.partial, prior=e)
+        raise
+    return check_spec(spec)

@@ -59,18 +59,25 @@ def main() -> None:
 
 
 def _read_spec(path: str):
-    from .syntax.parser import find_spec_file, parse_spec
+    """SPEC (a file or a shipped spec's name), its includes expanded; SpecError (exit 2) if bad.
+    Folders given with ``--include-dir`` may be read by its includes."""
+    from .check import check_loaded
+    from .syntax.parser import read_spec
 
-    if Path(path).is_dir():
-        raise UsageFailure(f"'{path}' is a folder, not a spec file")
-    found = find_spec_file(path)
-    if found is None:
-        raise UsageFailure(f"spec file '{path}' not found")
-    try:
-        text = found.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageFailure(f"cannot read '{path}': {e}") from None
-    return parse_spec(text, str(found), base_dir=found.parent)
+    ctx = click.get_current_context(silent=True)
+    dirs = ctx.meta.get("patchdsl.include_dirs", ()) if ctx is not None else ()
+    return check_loaded(lambda: read_spec(path, include_dirs=dirs)).spec
+
+
+def include_dir_option(f):
+    """``--include-dir DIR`` (repeatable), stored for :func:`_read_spec` (not a parameter of f)."""
+    def store(ctx, _param, value):
+        ctx.meta["patchdsl.include_dirs"] = tuple(value)
+
+    return click.option("--include-dir", multiple=True, expose_value=False, callback=store,
+                        type=click.Path(file_okay=False, exists=True),
+                        help="A folder that `include` may read besides the spec's own folder and the "
+                             "shipped specs (repeatable).")(f)
 
 
 def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str = "cpu", log=None, tiny=False,
@@ -88,6 +95,7 @@ def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str
 @main.command()
 @click.argument("spec")
 @click.option("--json", "as_json", is_flag=True, help="Print the checked rules as JSON.")
+@include_dir_option
 def check(spec: str, as_json: bool) -> None:
     """Check a spec's syntax, ops, flags and kinds (no model needed)."""
     from .check import check_spec
@@ -148,6 +156,7 @@ def print_plan(p, console=None) -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Override the spec's dtype directive.")
 @click.option("--target", type=click.Choice(["cuda", "interpreter"]), help="Kernel target (default: detected).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@include_dir_option
 def plan(spec: str, model: str, dtype: str | None, target: str | None, as_json: bool) -> None:
     """Resolve SPEC against a model's module tree and print what would be patched."""
     p, _ = _plan(spec, model, dtype, target)
@@ -165,6 +174,7 @@ def plan(spec: str, model: str, dtype: str | None, target: str | None, as_json: 
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Override the spec's dtype directive.")
 @click.option("--target", type=click.Choice(["cuda", "interpreter"]),
               help="Kernel target (default: cuda with a GPU, else the Triton interpreter).")
+@include_dir_option
 def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | None) -> None:
     """Write every kernel the plan needs into OUT, for reading."""
     from .codegen.cache import write_kernel
@@ -197,6 +207,7 @@ def _device(device: str | None) -> str:
 @click.option("--lr", type=float, default=1e-4, show_default=True, help="AdamW learning rate of both runs.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the weights and the batches.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the numbers to this JSON file.")
+@include_dir_option
 def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_out) -> None:
     """Patch a model and train it twice (unpatched, patched) side by side."""
     import torch
@@ -290,6 +301,7 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--progress", is_flag=True, help="Say on stderr what runs, with elapsed seconds.")
+@include_dir_option
 def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, progress) -> None:
     """Prove gradient parity of the patched model against a float64 reference."""
     from .parity import verify as run_verify

@@ -24,7 +24,7 @@ from .codegen.keys import KernelKey
 from .index import ModelIndex, build_index
 from .ops.base import ModuleInfo
 from .ops.registry import get_op
-from .select import explain_no_match, select
+from .select import explain_misfits, explain_no_match, select_all
 from .syntax.ast import Spec
 from .syntax.errors import SpecError
 
@@ -129,16 +129,21 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
     state: dict[str, dict[str, Any]] = {}   # path -> {"op", "flags", "rules", "how", "span"}
     order: list[str] = []
     unmatched: list[str] = []
+    errors: list[SpecError] = []     # every error of the spec is reported at once
     for cr in checked.rules:
         rule = cr.rule
         op = get_op(cr.op)
         assert op is not None
-        matches = select(rule, op, index)
+        matches, misfits = select_all(rule, op, index)
+        if misfits:
+            errors.append(explain_misfits(rule, op, misfits, len(matches)))
+            continue
         if not matches:
             if rule.optional:
                 unmatched.append(f"{rule.span.short}: {rule.text}")
                 continue
-            raise explain_no_match(rule, op, index)
+            errors.append(explain_no_match(rule, op, index))
+            continue
         for m in matches:
             st = state.get(m.info.path)
             if st is None:
@@ -147,10 +152,11 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
                 state[m.info.path] = st
                 order.append(m.info.path)
             elif st["op"] != op.name:
-                raise SpecError(
+                errors.append(SpecError(
                     f"{m.info.path} would get two different ops: {st['op']} and {op.name}", rule.op.span,
                     notes=[(f"{st['op']} given here", st["span"])],
-                    hint="a module gets one op; narrow one selector (e.g. with !path) or drop a rule")
+                    hint="a module gets one op; narrow one selector (e.g. with !path) or drop a rule"))
+                break
             for name, fv in cr.explicit:
                 st["flags"][name] = fv
             st["rules"].append(rule.span.short)
@@ -161,12 +167,15 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         for child in op.covers:
             cp = f"{path}.{child}" if path else child
             if cp in state:
-                raise SpecError(
+                errors.append(SpecError(
                     f"{cp} is fused into {path} by {op.name}, and also patched with {state[cp]['op']}",
                     state[cp]["span"], notes=[(f"{op.name} given here", state[path]["span"])],
-                    hint=f"drop the rule for {child}, or exclude it: '!*.{child}'")
+                    hint=f"drop the rule for {child}, or exclude it: '!*.{child}'"))
+                continue
             if cp in index.infos:
                 covered[cp] = path
+    if errors:
+        raise SpecError.combine(errors)
     sites = []
     hosts: dict[str, str] = {}
     for path in order:
@@ -175,8 +184,9 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         info = index.infos[path]
         host = op.host(info, index)
         if host in hosts and hosts[host] != path:
-            raise SpecError(f"{path} and {hosts[host]} both need to replace the forward of "
-                            f"'{host or '<model>'}'", st["span"])
+            errors.append(SpecError(f"{path} and {hosts[host]} both need to replace the forward of "
+                                    f"'{host or '<model>'}'", st["span"]))
+            continue
         hosts[host] = path
         flags = {k: v.value for k, v in st["flags"].items()}
         sources = {k: v.source for k, v in st["flags"].items()}
@@ -188,6 +198,8 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         covers = tuple(c for c, by in covered.items() if by == path)
         sites.append(Site(path, info.cls, op.name, tuple(flags.items()), tuple(sources.items()),
                           st["rules"][0], tuple(st["rules"]), st["how"], host, tuple(keys), covers))
+    if errors:
+        raise SpecError.combine(errors)
     # totals: per leaf name, patched (directly or fused) / present
     present = Counter(_leaf(i.path) for i in index if i.path)
     patched = Counter(_leaf(s.path) for s in sites)
@@ -204,10 +216,12 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
 def plan(spec: Spec | str, model: Any, *, target: str | None = None,
          dtypes: tuple[str, ...] | None = None) -> PatchPlan:
     """Plan ``spec`` (a Spec, a path or spec text) against ``model`` (a module, possibly on meta)."""
+    from .check import check_loaded
     from .syntax import load_spec
 
     if not isinstance(spec, Spec):
-        spec = load_spec(spec)
+        text = spec
+        spec = check_loaded(lambda: load_spec(text)).spec
     if target is None:
         from .codegen.env import target as _target
         target = _target()

@@ -49,14 +49,46 @@ def class_match(rule: Rule, info: ModuleInfo, op: Op) -> str | None:
 
 
 def select(rule: Rule, op: Op, index: ModelIndex) -> list[Match]:
-    out = []
+    """The modules ``rule`` selects for ``op`` (path, class pattern, and a place the op can go)."""
+    return select_all(rule, op, index)[0]
+
+
+def select_all(rule: Rule, op: Op, index: ModelIndex) -> tuple[list[Match], list[tuple[Match, str]]]:
+    """(matches, misfits): misfits fit the op's kind but are no place for it (``Op.misfit``)."""
+    out, bad = [], []
     for info in index:
         if not path_matches(rule, info.path):
             continue
         how = class_match(rule, info, op)
         if how:
-            out.append(Match(info, how))
-    return out
+            why = op.misfit(info, index)
+            if why is None:
+                out.append(Match(info, how))
+            else:
+                bad.append((Match(info, how), why))
+    return out, bad
+
+
+def explain_misfits(rule: Rule, op: Op, misfits: list[tuple[Match, str]], n_fit: int = 0) -> SpecError:
+    """A rule selected modules of the right kind where the op cannot go (a loss op on q_proj)."""
+    paths = [m.info.path for m, _ in misfits]
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    sel = ", ".join(("!" if s.negated else "") + s.text for s in rule.selectors)
+    hint = ("select it alone: 'lm_head: Linear -> " + op.name + "'") if "lm_head" in misfits[0][1] else None
+    other = "other " if n_fit else ""
+    return SpecError(f"{misfits[0][1]}; '{sel}' selects {len(paths)} {other}module(s): {shown}",
+                     rule.selectors[0].span, hint=hint)
+
+
+def nearest_classes(alt: str, op: Op, infos) -> list[str]:
+    """Class names in ``infos`` that fit ``op``, nearest to ``alt`` first (at most 3)."""
+    import difflib
+
+    fits = sorted({i.cls for i in infos if any(k in i.kinds for k in op.kinds)})
+    if not fits:
+        return []
+    ranked = sorted(fits, key=lambda c: (-difflib.SequenceMatcher(None, alt.lower(), c.lower()).ratio(), c))
+    return ranked[:3]
 
 
 def explain_no_match(rule: Rule, op: Op, index: ModelIndex) -> SpecError:
@@ -72,7 +104,12 @@ def explain_no_match(rule: Rule, op: Op, index: ModelIndex) -> SpecError:
         hint = None
         for alt in pat.alternatives:
             if alt not in KIND_NAMES:
-                hint = did_you_mean(alt, classes + list(KIND_NAMES))
+                near = nearest_classes(alt, op, by_path) or nearest_classes(alt, op, index)
+                if near:
+                    hint = (f"did you mean '{near[0]}'? classes here that {op.name} can replace: "
+                            + ", ".join(near))
+                else:
+                    hint = did_you_mean(alt, classes + list(KIND_NAMES))
         if hint is None and kinds_there:
             hint = f"those modules are: {', '.join(kinds_there)}"
         return SpecError(

@@ -44,6 +44,27 @@ CASES = [
     ("model.layers.{10..11}.mlp", "model.layers.1.mlp", False),
     ("model.layers.{0..11}.mlp", "model.layers.011.mlp", False),
     ("model.layers.{3..3}.mlp", "model.layers.3.mlp", True),
+    ("model.layers.{-2..1}.mlp", "model.layers.-1.mlp", True),
+    ("model.layers.{-2..1}.mlp", "model.layers.-3.mlp", False),
+    ("model.layers.{-2..1}.mlp", "model.layers.1.mlp", True),
+    ("model.layers.{95..105}.mlp", "model.layers.100.mlp", True),
+    ("model.layers.{95..105}.mlp", "model.layers.94.mlp", False),
+    ("model.layers.{95..105}.mlp", "model.layers.106.mlp", False),
+    ("layer{0..3}x", "layer3x", True),
+    ("layer{0..3}x", "layer13x", False),
+    ("model.layers.{0..11}1.mlp", "model.layers.111.mlp", True),     # 11 then a literal 1
+    ("model.layers.{0..100000}.{0..100000}.mlp", "model.layers.100000.7.mlp", True),
+    ("model.layers.{0..100000}.{0..100000}.mlp", "model.layers.100001.7.mlp", False),
+    # nested alternation (from Python; the spec lexer keeps braces one level deep)
+    ("{a,{b,c}}.x", "c.x", True),
+    ("{a,{b,c}}.x", "d.x", False),
+    # '**' in the middle
+    ("model.**.q_norm", "model.layers.0.self_attn.q_norm", True),
+    ("model.**.q_norm", "model.q_norm", True),
+    ("model.**.q_norm", "modelq_norm", False),
+    # '*' and '?' runs: no backtracking blow-up (linear in the path)
+    ("*?" * 13 + "*", "model.layers.0.input_layernorm", True),
+    ("*?" * 20 + "x", "model.layers.0.self_attn.q_proj" * 3, False),
     # literal dots and underscores
     ("model.norm", "model.norm", True),
     ("model.norm", "modelxnorm", False),
@@ -63,6 +84,11 @@ BAD = [
     ("*.{q_norm", "'{'"),
     ("model..mlp", "empty path component"),
     ("model.x**.mlp", "'**' must be a whole path component"),
+    ("model.layers.{0..1000000}.mlp", "is too large"),
+    ("model.layers.{0..12345678901234567890}.mlp", "range bound has 20 digits"),
+    ("model.layers.{0.." + "9" * 5000 + "}.mlp", "range bound has 5000 digits"),
+    ("*.{" + ",".join(f"a{i}" for i in range(300)) + "}", "too many alternatives"),
+    ("a" * 1001, "selector is too long"),
 ]
 
 
@@ -76,6 +102,35 @@ def test_bad_selectors_are_located_errors(selector, message):
     assert message in e.message
     assert e.span is not None and e.span.file == "bad.kpatch" and e.span.line == 1
     assert "^" in e.render()
+
+
+@pytest.mark.parametrize("selector,message", [
+    ("{" * 9 + "a" + "}" * 9, "braces nest too deep"),
+    ("{" + "{a,b}," * 200 + "c}", "too many alternatives"),
+])
+def test_limits_of_compiled_selectors(selector, message):
+    with pytest.raises(SpecError, match=message):
+        compile_selector(selector)
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 0), (0, 9), (0, 11), (3, 3), (7, 123), (-15, -3), (-9, 20), (95, 1005),
+                                   (1000, 1999), (0, 100000), (99, 100)])
+def test_ranges_match_exactly_their_integers(lo, hi):
+    m = compile_selector(f"x.{{{lo}..{hi}}}")
+    probe = set(range(lo - 30, lo + 30)) | set(range(hi - 30, hi + 30)) | {(lo + hi) // 2}
+    for n in probe:
+        assert m.match(f"x.{n}") is (lo <= n <= hi), n
+    assert not m.match(f"x.0{abs(hi)}")          # no leading zeros
+    assert not m.match("x.") and not m.match("x.-")
+
+
+def test_class_patterns_glob():
+    from patchdsl.syntax.selectors import class_glob
+
+    assert class_glob("*RMSNorm").match("Qwen3RMSNorm")
+    assert class_glob("Qwen?MLP").match("Qwen3MLP")
+    assert not class_glob("Qwen?MLP").match("Qwen33MLP")
+    assert not class_glob("*?*?*?*?*?*?*?*?*?*?*?*?*?*?*?*?*?*?*?*?*?x").match("A" * 60)
 
 
 def test_exclusion_and_several_selectors():

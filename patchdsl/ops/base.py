@@ -18,6 +18,7 @@ Life of a site:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
@@ -66,7 +67,11 @@ class FlagSpec:
         elif self.type == "float":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if ok:
-                value = float(value)
+                try:
+                    value = float(value)
+                except OverflowError:
+                    ok = False
+                ok = ok and math.isfinite(value)
         elif self.type == "str":
             ok = isinstance(value, str)
         elif self.type == "choice":
@@ -85,7 +90,10 @@ def _show(v: Any) -> str:
         return "true" if v else "false"
     if v is None:
         return "none"
-    return repr(v) if isinstance(v, str) else str(v)
+    if isinstance(v, int) and v.bit_length() > 128:
+        return f"an integer of {v.bit_length()} bits"
+    s = repr(v) if isinstance(v, str) else str(v)
+    return s if len(s) <= 40 else s[:40] + f"... ({len(s)} characters)"
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,11 @@ class Op:
         causal LM that owns it; ``index`` is the :class:`patchdsl.index.ModelIndex`.
         """
         return info.path
+
+    def misfit(self, info: ModuleInfo, index: Any) -> str | None:
+        """Planning time: None if ``info`` (which fits one of the op's kinds) is a place this op
+        can go, else why not (e.g. a loss op on a Linear that is not the causal LM's lm_head)."""
+        return None
 
     # ---- runtime (imports torch lazily) -------------------------------------------
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:

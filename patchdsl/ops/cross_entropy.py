@@ -113,6 +113,10 @@ class FusedCrossEntropy(Op):
                  "already softcaps the logits it passes to the loss", auto_ok=True, none_ok=True, min=0.0),
     ) + LOSS_FLAGS[3:]
 
+    def misfit(self, info: ModuleInfo, index: Any) -> str | None:
+        from .loss_path import lm_head_misfit
+        return lm_head_misfit(self.name, info, index)
+
     def host(self, info: ModuleInfo, index: Any) -> str:
         from .loss_path import causal_lm_host
         return causal_lm_host(info, index)

@@ -53,6 +53,10 @@ class FusedLinearCrossEntropy(Op):
                  choices=("fp32", "weight"), auto_ok=True),
     )
 
+    def misfit(self, info: ModuleInfo, index: Any) -> str | None:
+        from .loss_path import lm_head_misfit
+        return lm_head_misfit(self.name, info, index)
+
     def host(self, info: ModuleInfo, index: Any) -> str:
         from .loss_path import causal_lm_host
         return causal_lm_host(info, index)

@@ -62,6 +62,17 @@ def causal_lm_host(info: ModuleInfo, index: Any) -> str:
     return info.path
 
 
+def lm_head_misfit(op: str, info: ModuleInfo, index: Any) -> str | None:
+    """None when ``info`` is the lm_head of a causal LM (the loss ops' only home), else why not."""
+    host = causal_lm_host(info, index)
+    hinfo = index.infos.get(host) if index is not None else None
+    if hinfo is None or "CausalLM" not in hinfo.kinds:
+        return f"{op} fits only the lm_head of a causal LM, and no causal LM holds this module"
+    if info.path != (f"{host}.lm_head" if host else "lm_head"):
+        return f"{op} fits only the causal LM's lm_head"
+    return None
+
+
 def vocab_of(info: ModuleInfo) -> int:
     f = info.facts("CausalLM")
     if f:

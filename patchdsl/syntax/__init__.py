@@ -2,9 +2,9 @@
 
 from .ast import ClassPattern, DefaultDirective, Flag, OpCall, Rule, Selector, Span, Spec
 from .errors import SpecError
-from .parser import load_spec, parse_spec
+from .parser import load_spec, parse_spec, read_spec
 
 __all__ = [
     "ClassPattern", "DefaultDirective", "Flag", "OpCall", "Rule", "Selector", "Span", "Spec",
-    "SpecError", "load_spec", "parse_spec",
+    "SpecError", "load_spec", "parse_spec", "read_spec",
 ]
