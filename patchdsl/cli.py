@@ -45,6 +45,16 @@ class _Group(click.Group):
             _fail(f"error: {e}")
         except FileNotFoundError as e:
             _fail(f"error: {e}")
+        except Exception as e:
+            # bad data that is not a spec error: a plan file, an unusable kernel cache, a value
+            # that cannot go into generated code, a model the plan does not fit
+            from .codegen import CacheError, CodegenError
+            from .planner import PlanError
+            from .runtime import PatchError
+
+            if isinstance(e, (CacheError, CodegenError, PlanError, PatchError)):
+                _fail(f"error: {e}")
+            raise
 
 
 @click.group(cls=_Group)

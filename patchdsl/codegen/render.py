@@ -47,6 +47,9 @@ def literal(value: Any, what: str = "value") -> str:
     bool -> True/False; int -> decimal (|x| < 2**63); float -> ``repr`` when finite; None -> None;
     str -> itself when it is an identifier.  Anything else raises :class:`CodegenError`.
     """
+    if isinstance(value, jinja2.Undefined):
+        str(value)           # StrictUndefined: raises UndefinedError naming the missing parameter
+        raise CodegenError(f"{what}: undefined")
     if isinstance(value, bool):
         return "True" if value else "False"
     if isinstance(value, int):
@@ -110,7 +113,7 @@ def validate_key(key: KernelKey) -> None:
 def _finalize(value: Any) -> Any:
     # Strings are template text, macro output or parameters validated above; everything else
     # (numbers computed in a template, a parameter emitted without ``| lit``) goes through literal.
-    if isinstance(value, str):
+    if isinstance(value, (str, jinja2.Undefined)):   # Undefined: StrictUndefined raises on str()
         return value
     return literal(value, "template expression")
 
