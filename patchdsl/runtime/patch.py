@@ -38,7 +38,23 @@ from ..ops.registry import get_op
 from ..planner import PatchPlan, check_site
 from ..planner import plan as make_plan
 
-_MISSING = object()
+class _Missing:
+    """'There was no instance attribute': one object, kept by copy/deepcopy/pickle."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return "_MISSING"
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
 SITE_ATTR = "_patchdsl_site"
 KERNEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
