@@ -47,7 +47,7 @@ class Site:
     keys: tuple[KernelKey, ...]   # one per dtype in the plan
     covers: tuple[str, ...] = ()  # child module paths fused into this site
     refused: str = ""             # why apply would refuse this site ("" = it will be patched)
-    optional: bool = False        # every rule that selected it is optional ('?'): a refusal is no failure
+    optional: bool = False        # every rule that selected it is marked optional: a refusal is no failure
 
     @property
     def patched(self) -> bool:

@@ -214,3 +214,20 @@ def test_a_meta_model_is_refused_at_apply(qwen):
     meta = load_model("Qwen/Qwen3-0.6B", meta=True, tiny=True, log=lambda s: None).model
     h = apply(plan(NORM, meta), meta)
     assert h.patched == [] and "meta device" in h.refused[0].reason
+
+
+def test_apply_takes_a_plan_file_and_rejects_a_crafted_one(plan_json, tmp_path):
+    m = tiny_model("qwen3")
+    good = tmp_path / "plan.json"
+    good.write_text(json.dumps(plan_json))
+    h = apply(str(good), m)
+    assert sorted(h.patched)[0] == "model.layers.0.mlp" and "model.norm" in h.patched
+    h.undo()
+    marker = tmp_path / "pwned"
+    bad = _edit(plan_json, lambda d: _site(d, "model.norm")["flags"].update(
+        casting=f"llama\nopen({str(marker)!r}, 'w')"))
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    for arg in (bad, str(tmp_path / "bad.json")):
+        with pytest.raises(PlanError):
+            apply(arg, m)
+    assert not marker.exists() and not any("forward" in mod.__dict__ for mod in m.modules())

@@ -108,7 +108,7 @@ class ParityReport:
                 parts.append(f"{len(st)} training step(s) diverged")
             if self.refused_required:
                 parts.append(f"{len(self.refused_required)} site(s) the spec asked for were refused "
-                             f"(mark the rule optional with '?' to accept that)")
+                             f"(start the rule with 'optional' to accept that)")
             s = "FAIL: " + "; ".join(parts)
         if self.refused:
             s += f" ({len(self.refused)} site(s) refused and left unpatched)"

@@ -26,7 +26,9 @@ The rules (docs/reliability.md, "Runtime, plan files and the kernel cache"):
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from ..codegen import KernelKey, load_kernel
@@ -35,7 +37,7 @@ from ..index import module_info
 from ..ops.base import ModuleInfo, Op
 from ..ops.common import dtype_name
 from ..ops.registry import get_op
-from ..planner import PatchPlan, check_site
+from ..planner import PatchPlan, PlanError, check_site
 from ..planner import plan as make_plan
 
 class _Missing:
@@ -286,13 +288,22 @@ def _forward_slot(obj: Any) -> tuple[str | None, str | None]:
 
 def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool = True,
           target: str | None = None, log: Callable[[str], None] | None = None) -> PatchHandle:
-    """Patch ``model`` according to a PatchPlan (or a spec / spec path / spec text, planned here).
+    """Patch ``model`` according to a PatchPlan, a plan file (``*.json`` path, or its parsed JSON
+    dict: checked by :meth:`PatchPlan.from_json`), or a spec / spec path / spec text (planned here).
 
     A site whose module does not fit its op, or no longer matches the plan, is refused with a
     one-line reason (``handle.refused``) and left unpatched; ``strict=True`` raises PatchError
     instead, with nothing patched.
     """
     target = target or detect_target()
+    if isinstance(plan_or_spec, dict):                      # a plan file's JSON: checked like a fresh plan
+        plan_or_spec = PatchPlan.from_json(plan_or_spec)
+    elif isinstance(plan_or_spec, (str, os.PathLike)) and str(plan_or_spec).endswith(".json"):
+        try:
+            text = Path(plan_or_spec).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read plan file {str(plan_or_spec)!r}: {e}") from None
+        plan_or_spec = PatchPlan.loads(text)
     fresh = not isinstance(plan_or_spec, PatchPlan)
     plan = make_plan(plan_or_spec, model, target=target) if fresh else plan_or_spec
     if plan.model_class != type(model).__name__:
