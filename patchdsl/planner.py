@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 from .check import CheckedSpec, check_spec
 from .codegen.keys import KernelKey
+from .codegen.render import CodegenError, validate_key
 from .index import ModelIndex, build_index
 from .ops.base import ModuleInfo
 from .ops.registry import get_op
@@ -220,7 +221,12 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         keys = []
         for dt in dts:
             params = op.key_params(minfo, flags, dt, target)
-            keys.append(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+            key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+            try:
+                validate_key(key)
+            except CodegenError as e:
+                raise SpecError(f"{path}: {e}", st["span"]) from None
+            keys.append(key)
         covers = tuple(c for c, by in covered.items() if by == path)
         refused = (check(op, path, host, minfo, flags) if check is not None else None) or ""
         sites.append(Site(path, info.cls, op.name, tuple(flags.items()), tuple(sources.items()),

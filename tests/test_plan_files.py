@@ -231,3 +231,31 @@ def test_apply_takes_a_plan_file_and_rejects_a_crafted_one(plan_json, tmp_path):
         with pytest.raises(PlanError):
             apply(arg, m)
     assert not marker.exists() and not any("forward" in mod.__dict__ for mod in m.modules())
+
+
+# ------------------------------------------------------------------ bad model configs
+@pytest.mark.parametrize("field, value", [
+    ("hidden_size", "64"), ("hidden_size", 64.5), ("num_attention_heads", -4), ("intermediate_size", 0),
+    ("vocab_size", True), ("num_hidden_layers", 2 ** 40), ("rms_norm_eps", -1e-6), ("rope_theta", "1e4"),
+])
+def test_a_bad_config_json_is_a_clear_error_with_exit_2(field, value, tmp_path):
+    from click.testing import CliRunner
+
+    from patchdsl.cli import main
+    from patchdsl.models.loading import shipped_config_path
+
+    d = json.loads(shipped_config_path("Qwen/Qwen3-0.6B").read_text())
+    d[field] = value
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(d))
+    r = CliRunner().invoke(main, ["plan", "specs/qwen3.kpatch", "--model", str(cfg)])
+    assert r.exit_code == 2, r.output
+    assert f'"{field}" must be' in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("rule", ["model.norm: RMSNorm -> fused_rmsnorm(eps=1e309)",
+                                  "lm_head: Linear -> fused_linear_cross_entropy(z_loss=1e309)"])
+def test_a_non_finite_flag_is_a_located_spec_error(rule, qwen):
+    with pytest.raises(patchdsl.SpecError, match="must be a finite number") as ei:
+        plan(rule, qwen)
+    assert ei.value.span.line == 1

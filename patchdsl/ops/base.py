@@ -18,6 +18,7 @@ Life of a site:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
@@ -66,7 +67,12 @@ class FlagSpec:
         elif self.type == "float":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if ok:
-                value = float(value)
+                try:
+                    value = float(value)
+                except OverflowError:           # an int too big for a float
+                    value = math.inf
+                if not math.isfinite(value):    # inf / nan are no Python literal (docs/reliability.md)
+                    raise FlagTypeError(f"flag '{self.name}' must be a finite number, got {value}")
         elif self.type == "str":
             ok = isinstance(value, str)
         elif self.type == "choice":
