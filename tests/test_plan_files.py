@@ -259,3 +259,26 @@ def test_a_non_finite_flag_is_a_located_spec_error(rule, qwen):
     with pytest.raises(patchdsl.SpecError, match="must be a finite number") as ei:
         plan(rule, qwen)
     assert ei.value.span.line == 1
+
+
+def test_a_real_accelerate_hook_wraps_the_patched_forward():
+    from accelerate import hooks          # in the test extra
+    calls = []
+
+    class Count(hooks.ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(1)
+            return args, kwargs
+
+    m = tiny_model("qwen3")
+    norm = m.model.norm
+    x = torch.randn(2, m.config.hidden_size)
+    ref = norm(x)
+    hooks.add_hook_to_module(norm, Count())
+    h = apply(plan(NORM, m), m)
+    assert h.patched == ["model.norm"]
+    torch.testing.assert_close(norm(x), ref, rtol=1e-5, atol=1e-5)
+    assert calls == [1] and norm.__dict__["_patchdsl_site"].changes[0][0] == "_old_forward"
+    h.undo()
+    hooks.remove_hook_from_module(norm)
+    torch.testing.assert_close(norm(x), ref, rtol=0, atol=0)
