@@ -13,7 +13,7 @@ from . import _interp  # noqa: F401  (must run before anything imports triton)
 from ._version import __version__
 from .syntax import SpecError, load_spec, parse_spec
 
-__all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply", "verify"]
+__all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply", "unpatch", "verify"]
 
 
 def plan(spec, model, **kwargs):
@@ -24,6 +24,12 @@ def plan(spec, model, **kwargs):
 def apply(plan_or_spec, model, **kwargs):
     from .runtime import apply as _apply
     return _apply(plan_or_spec, model, **kwargs)
+
+
+def unpatch(model):
+    """Remove patchdsl's patches from ``model`` (e.g. a deepcopy of a patched model); see runtime."""
+    from .runtime import unpatch as _unpatch
+    return _unpatch(model)
 
 
 def verify(spec, model_or_factory, **kwargs):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -45,6 +46,16 @@ class _Group(click.Group):
             _fail(f"error: {e}")
         except FileNotFoundError as e:
             _fail(f"error: {e}")
+        except Exception as e:
+            # bad data that is not a spec error: a plan file, an unusable kernel cache, a value
+            # that cannot go into generated code, a model the plan does not fit
+            from .codegen import CacheError, CodegenError
+            from .planner import PlanError
+            from .runtime import PatchError
+
+            if isinstance(e, (CacheError, CodegenError, PlanError, PatchError)):
+                _fail(f"error: {e}")
+            raise
 
 
 @click.group(cls=_Group)
@@ -139,7 +150,8 @@ def print_plan(p, console=None) -> None:
     for col in ("path", "class", "op", "flags", "rule", "matched by"):
         t.add_column(col, overflow="fold")
     for s in p.sites:
-        t.add_row(s.path or "<model>", s.cls, s.op, _fmt_flags(s), ", ".join(s.rules), s.matched_by)
+        op = s.op if not s.refused else f"{s.op} [yellow](refused)[/yellow]"
+        t.add_row(s.path or "<model>", s.cls, op, _fmt_flags(s), ", ".join(s.rules), s.matched_by)
         for c in s.covers:
             t.add_row(f"  {c}", p.infos[c].cls if c in p.infos else "", f"(fused into {s.op})", "", s.rule, "covered")
     console.print(t)
@@ -147,7 +159,14 @@ def print_plan(p, console=None) -> None:
         console.print(f"{patched}/{present} {name} patched")
     for u in p.unmatched_optional:
         console.print(f"optional rule matched nothing: {u}")
-    console.print(f"{len(p.sites)} site(s), {len(p.kernel_keys())} kernel(s) to generate")
+    shown: dict[tuple[str, str, str], list[str]] = {}
+    for s in p.refused_sites:
+        shown.setdefault((s.rule, s.op, s.refused), []).append(s.path or "<model>")
+    for (rule, op, reason), paths in shown.items():
+        where = paths[0] if len(paths) == 1 else f"{len(paths)} sites ({paths[0]}, ...)"
+        console.print(f"[yellow]{rule}: refused {op} on {where}: {reason}[/yellow]", markup=True)
+    n_ok = sum(1 for s in p.sites if not s.refused)
+    console.print(f"{n_ok} site(s) to patch, {len(p.sites) - n_ok} refused, {len(p.kernel_keys())} kernel(s) to generate")
 
 
 @main.command()
@@ -180,7 +199,10 @@ def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | No
     from .codegen.cache import write_kernel
 
     p, _ = _plan(spec, model, dtype, target)
-    Path(out).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageFailure(f"cannot create '{out}': {e.strerror or e}") from None
     for key in p.kernel_keys():
         path = write_kernel(key, Path(out), flat=True)
         click.echo(f"wrote {path}")
@@ -275,16 +297,23 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
     if not on_gpu:
         console.print("[dim]On the CPU the kernels run in Triton's interpreter, so the patched run is slower: "
                       "compare losses here, speed on a GPU.[/dim]")
+    from .planner import count_totals
+
+    live = [s if s.path in handle.patched else replace(s, refused=s.refused or "refused at apply") for s in p.sites]
+    present = {n: pr for n, _, pr in p.totals}
+    totals = count_totals(live, present)
     console.print(f"patched {len(handle.patched)} site(s), refused {len(handle.refused)}; "
-                  + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in p.totals))
+                  + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in totals))
     if json_out:
         Path(json_out).write_text(json.dumps({
             "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny,
             "workload": {"steps": w.steps, "batch": w.batch, "seq": w.seq, "lr": w.lr, "seed": w.seed},
             "unpatched": ref.to_json(), "patched": pat.to_json(),
             "patched_sites": len(handle.patched), "refused": [str(r) for r in handle.refused],
-            "totals": [{"name": n, "patched": a, "present": b} for n, a, b in p.totals]}, indent=2))
+            "totals": [{"name": n, "patched": a, "present": b} for n, a, b in totals]}, indent=2))
     handle.undo()
+    if handle.refused_required:
+        sys.exit(1)
 
 
 # ---------------------------------------------------------------- verify

@@ -55,6 +55,26 @@ def _param_dtype(m: Any) -> str | None:
     return None
 
 
+def module_info(mod: Any, path: str, recognisers: Mapping[str, Any] | None = None) -> ModuleInfo:
+    """What the index records about one module (its class, bases, kinds with facts, dtype)."""
+    from .ops.kinds import unwrap
+
+    recognisers = kinds() if recognisers is None else recognisers
+    target = unwrap(mod)
+    facts = {}
+    for name, fn in recognisers.items():
+        try:
+            f = fn(target)
+        except Exception:
+            f = None
+        if f:
+            facts[name] = f
+    cls = type(target)
+    bases = tuple(c.__name__ for c in cls.__mro__[1:] if c.__name__ not in ("object", "Module"))
+    children = tuple(n for n, _ in mod.named_children())
+    return ModuleInfo(path, cls.__name__, bases, facts, _param_dtype(target), children)
+
+
 def build_index(model: Any) -> ModelIndex:
     from .ops.kinds import unwrap
 
@@ -67,19 +87,7 @@ def build_index(model: Any) -> ModelIndex:
             aliases[path] = first_path[id(mod)]
             continue
         first_path[id(mod)] = path
-        target = unwrap(mod)
-        facts = {}
-        for name, fn in recognisers.items():
-            try:
-                f = fn(target)
-            except Exception:
-                f = None
-            if f:
-                facts[name] = f
-        cls = type(target)
-        bases = tuple(c.__name__ for c in cls.__mro__[1:] if c.__name__ not in ("object", "Module"))
-        children = tuple(n for n, _ in mod.named_children())
-        infos[path] = ModuleInfo(path, cls.__name__, bases, facts, _param_dtype(target), children)
+        infos[path] = module_info(mod, path, recognisers)
     cfg = getattr(model, "config", None)
     first = next(model.parameters(), None)
     return ModelIndex(type(model).__name__, getattr(cfg, "model_type", None), infos, aliases,

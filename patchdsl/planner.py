@@ -15,12 +15,15 @@ Precedence (documented in docs/language.md, tested in tests/test_precedence.py):
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
 
 from .check import CheckedSpec, check_spec
 from .codegen.keys import KernelKey
+from .codegen.render import CodegenError, validate_key
 from .index import ModelIndex, build_index
 from .ops.base import ModuleInfo
 from .ops.registry import get_op
@@ -44,6 +47,12 @@ class Site:
     host: str                     # module whose forward is replaced
     keys: tuple[KernelKey, ...]   # one per dtype in the plan
     covers: tuple[str, ...] = ()  # child module paths fused into this site
+    refused: str = ""             # why apply would refuse this site ("" = it will be patched)
+    optional: bool = False        # every rule that selected it is marked optional: a refusal is no failure
+
+    @property
+    def patched(self) -> bool:
+        return not self.refused
 
     @property
     def flag_dict(self) -> dict[str, Any]:
@@ -56,13 +65,8 @@ class Site:
         return {"path": self.path, "class": self.cls, "op": self.op, "flags": dict(self.flags),
                 "flag_sources": dict(self.flag_sources), "rule": self.rule, "rules": list(self.rules),
                 "matched_by": self.matched_by, "host": self.host, "covers": list(self.covers),
+                "refused": self.refused, "optional": self.optional,
                 "kernels": [k.to_json() for k in self.keys]}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Site":
-        return cls(d["path"], d["class"], d["op"], tuple(d["flags"].items()), tuple(d["flag_sources"].items()),
-                   d["rule"], tuple(d["rules"]), d["matched_by"], d["host"],
-                   tuple(KernelKey.from_json(k) for k in d["kernels"]), tuple(d.get("covers", ())))
 
 
 @dataclass(frozen=True)
@@ -87,8 +91,11 @@ class PatchPlan:
         return next((s for s in self.sites if s.path == path), None)
 
     def kernel_keys(self) -> list[KernelKey]:
+        """The kernels of the sites that will be patched (a refused site needs none)."""
         seen: dict[KernelKey, None] = {}
         for s in self.sites:
+            if s.refused:
+                continue
             for k in s.keys:
                 seen.setdefault(k, None)
         return list(seen)
@@ -109,21 +116,50 @@ class PatchPlan:
         return json.dumps(self.to_json(), indent=2, sort_keys=False, default=str)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "PatchPlan":
-        infos = {p: ModuleInfo(p, m["class"], tuple(m["bases"]), m["kinds"], m["dtype"], tuple(m["children"]))
-                 for p, m in d.get("modules", {}).items()}
-        return cls(d["spec"], d["model_class"], d["model_type"], d["target"], tuple(d["dtypes"]),
-                   tuple(Site.from_json(s) for s in d["sites"]), tuple(d["unmatched_optional"]),
-                   tuple((t["name"], t["patched"], t["present"]) for t in d["totals"]), infos)
+    def from_json(cls, d: Any) -> "PatchPlan":
+        """A plan read back from JSON, checked exactly as a freshly made one: every field is typed
+        and validated, flags go through the op's FlagSpecs, module facts are checked, and every
+        kernel key is re-derived from the recorded facts and flags with the op's ``key_params``
+        (a recorded key that differs is an error).  Raises :class:`PlanError`."""
+        return _load_plan(d)
+
+    @classmethod
+    def loads(cls, text: str) -> "PatchPlan":
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise PlanError(f"not a JSON plan file: {e}") from None
+        return _load_plan(d)
+
+    @property
+    def refused_sites(self) -> tuple[Site, ...]:
+        return tuple(s for s in self.sites if s.refused)
 
 
 def _leaf(path: str) -> str:
     return path.rsplit(".", 1)[-1] if path else "<root>"
 
 
+def count_totals(sites: tuple[Site, ...] | list[Site], present: Mapping[str, int]) -> tuple[tuple[str, int, int], ...]:
+    """Per leaf name: (name, patched, present).  A refused site and what it would fuse count as
+    present, never as patched."""
+    names = dict.fromkeys([_leaf(s.path) for s in sites] + [_leaf(c) for s in sites for c in s.covers])
+    patched = Counter(_leaf(s.path) for s in sites if not s.refused)
+    for s in sites:
+        if not s.refused:
+            for c in s.covers:
+                patched[_leaf(c)] += 1
+    return tuple((n, patched[n], max(int(present.get(n, 0)), patched[n])) for n in names)
+
+
 def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
-               dtypes: tuple[str, ...] | None = None) -> PatchPlan:
-    """Resolve a checked spec against a model index.  Pure."""
+               dtypes: tuple[str, ...] | None = None,
+               check: Callable[[Any, str, str, ModuleInfo, Mapping[str, Any]], str | None] | None = None) -> PatchPlan:
+    """Resolve a checked spec against a model index.  Pure (``check`` aside).
+
+    ``check(op, path, host, info, flags)`` says why apply would refuse a site (see
+    :func:`model_checker`); a refused site stays in the plan with its reason, is never counted as
+    patched in the totals, and generates no kernel."""
     spec = checked.spec
     dts = tuple(dtypes or spec.dtypes or (index.dtype,))
     state: dict[str, dict[str, Any]] = {}   # path -> {"op", "flags", "rules", "how", "span"}
@@ -148,7 +184,7 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
             st = state.get(m.info.path)
             if st is None:
                 flags = checked.base_flags(op)
-                st = {"op": op.name, "flags": flags, "rules": [], "how": m.how, "span": rule.span}
+                st = {"op": op.name, "flags": flags, "rules": [], "how": m.how, "span": rule.span, "optional": True}
                 state[m.info.path] = st
                 order.append(m.info.path)
             elif st["op"] != op.name:
@@ -160,6 +196,7 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
             for name, fv in cr.explicit:
                 st["flags"][name] = fv
             st["rules"].append(rule.span.short)
+            st["optional"] = st["optional"] and bool(rule.optional)
     # fused children: an op that covers q_norm/k_norm conflicts with rules patching them
     covered: dict[str, str] = {}
     for path in order:
@@ -194,19 +231,21 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         keys = []
         for dt in dts:
             params = op.key_params(minfo, flags, dt, target)
-            keys.append(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+            key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+            try:
+                validate_key(key)
+            except CodegenError as e:
+                raise SpecError(f"{path}: {e}", st["span"]) from None
+            keys.append(key)
         covers = tuple(c for c, by in covered.items() if by == path)
+        refused = (check(op, path, host, minfo, flags) if check is not None else None) or ""
         sites.append(Site(path, info.cls, op.name, tuple(flags.items()), tuple(sources.items()),
-                          st["rules"][0], tuple(st["rules"]), st["how"], host, tuple(keys), covers))
+                          st["rules"][0], tuple(st["rules"]), st["how"], host, tuple(keys), covers,
+                          refused, st["optional"]))
     if errors:
         raise SpecError.combine(errors)
-    # totals: per leaf name, patched (directly or fused) / present
     present = Counter(_leaf(i.path) for i in index if i.path)
-    patched = Counter(_leaf(s.path) for s in sites)
-    for c in covered:
-        patched[_leaf(c)] += 1
-    totals = tuple((name, patched[name], present[name]) for name in dict.fromkeys(
-        [_leaf(s.path) for s in sites] + [_leaf(c) for c in covered]))
+    totals = count_totals(sites, present)
     used = set(order) | set(covered) | {s.host for s in sites}
     infos = {p: index.infos[p] for p in index.infos if p in used}
     return PatchPlan(spec.path, index.model_class, index.model_type, target, dts, tuple(sites),
@@ -225,5 +264,255 @@ def plan(spec: Spec | str, model: Any, *, target: str | None = None,
     if target is None:
         from .codegen.env import target as _target
         target = _target()
-    index = model if isinstance(model, ModelIndex) else build_index(model)
-    return plan_index(check_spec(spec), index, target=target, dtypes=dtypes)
+    if isinstance(model, ModelIndex):
+        return plan_index(check_spec(spec), model, target=target, dtypes=dtypes)
+    # With the module tree at hand (meta device is fine) every check apply makes that needs no
+    # weights runs now, so the plan shows what apply will refuse, and why.
+    return plan_index(check_spec(spec), build_index(model), target=target, dtypes=dtypes,
+                      check=model_checker(model))
+
+
+# ---------------------------------------------------------------------------------- checks
+def check_site(op: Any, module: Any, host: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+    """Why ``op`` cannot patch ``module`` (hosted on ``host``), or None.  The one check that both
+    ``plan`` (on the meta-device model) and ``apply`` (on the live one) run."""
+    from .ops.kinds import unwrap
+
+    reason = op.check(unwrap(module), info, flags)
+    if reason is None and host is not None and host is not module:
+        # ops hosted elsewhere (the loss path on the causal LM) also vet the host
+        reason = op.check(unwrap(host), info, flags)
+    return reason
+
+
+def _check_key(op: Any, module: Any, host: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str:
+    """Memo key for :func:`check_site` at plan time: the checks look at classes and the structure
+    the index recorded, so layers of one class with equal facts and flags get one answer."""
+    from .ops.kinds import unwrap
+
+    def shape(m):
+        m = unwrap(m)
+        return (type(m), "forward" in getattr(m, "__dict__", {}),
+                tuple((n, type(unwrap(c))) for n, c in m.named_children()))
+
+    return repr((op.name, shape(module), shape(host) if host is not module else None,
+                 json.dumps({k: dict(v) for k, v in info.kinds.items()}, sort_keys=True, default=repr),
+                 info.dtype, json.dumps(dict(flags), sort_keys=True, default=repr)))
+
+
+def model_checker(model: Any) -> Callable[[Any, str, str, ModuleInfo, Mapping[str, Any]], str | None]:
+    """``check(op, path, host_path, info, flags)`` on ``model``'s modules (meta device is fine)."""
+    modules = dict(model.named_modules())
+    memo: dict[str, str | None] = {}
+
+    def check(op, path, host_path, info, flags):
+        module = modules.get(path, model if path == "" else None)
+        host = modules.get(host_path, model if host_path == "" else None)
+        if module is None or host is None:
+            return f"{path or host_path} is not in the model"
+        key = _check_key(op, module, host, info, flags)
+        if key not in memo:
+            try:
+                memo[key] = check_site(op, module, host, info, flags)
+            except Exception as e:      # a check that cannot run on this module refuses it
+                memo[key] = f"cannot be checked: {type(e).__name__}: {e}"
+        return memo[key]
+
+    return check
+
+
+# ---------------------------------------------------------------------------------- plan files
+class PlanError(ValueError):
+    """A plan file that is not a valid plan for this version of patchdsl (the message says where)."""
+
+
+_DTYPES = ("fp32", "bf16", "fp16")
+_TARGETS = ("cuda", "interpreter")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PATH = re.compile(r"(?:[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# Facts that are sizes: positive integers below 2**31 (a size the kernels index with).
+SIZE_FACTS = frozenset({"hidden", "intermediate", "vocab", "head_dim", "n_heads", "n_kv_heads", "rotary_dim",
+                        "in_features", "out_features"})
+_FACT_STRINGS = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def _need(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise PlanError(f"{where}: {what}")
+
+
+def _text(v: Any, where: str, limit: int = 4096) -> str:
+    _need(isinstance(v, str), where, f"expected a string, got {type(v).__name__}")
+    _need(len(v) <= limit, where, f"longer than {limit} characters")
+    _need(not _CONTROL.search(v), where, "contains a control character (a newline?)")
+    return v
+
+
+def _ident(v: Any, where: str) -> str:
+    _need(isinstance(v, str) and bool(_IDENT.fullmatch(v)) and len(v) <= 200, where,
+          f"expected an identifier, got {v!r:.80}")
+    return v
+
+
+def _mpath(v: Any, where: str) -> str:
+    _need(isinstance(v, str) and bool(_PATH.fullmatch(v)) and len(v) <= 1000, where,
+          f"expected a dotted module path, got {v!r:.80}")
+    return v
+
+
+def _obj(v: Any, where: str) -> Mapping[str, Any]:
+    _need(isinstance(v, dict), where, f"expected an object, got {type(v).__name__}")
+    return v
+
+
+def _list(v: Any, where: str) -> list:
+    _need(isinstance(v, list), where, f"expected a list, got {type(v).__name__}")
+    return v
+
+
+def check_fact(name: str, v: Any, where: str, depth: int = 0) -> Any:
+    """A module fact (index data, plan file, config): a typed scalar or a small object of them.
+    Sizes are positive integers below 2**31, numbers finite, strings short identifiers."""
+    if isinstance(v, dict):
+        _need(depth < 2, where, "facts nest too deep")
+        return {_ident(k, where): check_fact(k, x, f"{where}.{k}", depth + 1) for k, x in v.items()}
+    if name in SIZE_FACTS:
+        _need(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2 ** 31, where,
+              f"a size must be a positive integer below 2**31, got {v!r:.40}")
+        return v
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, int):
+        _need(abs(v) < 2 ** 63, where, "integer out of range")
+        return v
+    if isinstance(v, float):
+        _need(math.isfinite(v), where, f"not a finite number: {v!r}")
+        if name == "eps":
+            _need(v >= 0, where, f"eps must be >= 0, got {v!r}")
+        return v
+    _need(isinstance(v, str) and bool(_FACT_STRINGS.fullmatch(v)), where,
+          f"expected a number, true/false, null or a short identifier, got {v!r:.60}")
+    return v
+
+
+def _module_info(path: str, m: Any) -> ModuleInfo:
+    from .ops.registry import KIND_NAMES
+
+    where = f"modules[{path!r}]"
+    m = _obj(m, where)
+    kinds = {}
+    for k, f in _obj(m.get("kinds", {}), f"{where}.kinds").items():
+        _need(k in KIND_NAMES, f"{where}.kinds", f"unknown kind {k!r:.40}")
+        kinds[k] = {_ident(n, f"{where}.kinds.{k}"): check_fact(n, v, f"{where}.kinds.{k}.{n}")
+                    for n, v in _obj(f, f"{where}.kinds.{k}").items()}
+    dtype = m.get("dtype")
+    _need(dtype is None or dtype in _DTYPES, f"{where}.dtype", f"expected one of {', '.join(_DTYPES)} or null")
+    return ModuleInfo(path, _ident(m.get("class"), f"{where}.class"),
+                      tuple(_ident(b, f"{where}.bases") for b in _list(m.get("bases", []), f"{where}.bases")),
+                      kinds, dtype,
+                      tuple(_ident(c, f"{where}.children") for c in _list(m.get("children", []), f"{where}.children")))
+
+
+def _canon(x: Any) -> str:
+    return json.dumps(x, sort_keys=True, allow_nan=True, default=repr)
+
+
+def _load_site(i: int, d: Any, infos: Mapping[str, ModuleInfo], dtypes: tuple[str, ...], target: str) -> Site:
+    from .codegen.render import CodegenError, validate_key
+    from .ops.base import FlagTypeError
+
+    where = f"sites[{i}]"
+    d = _obj(d, where)
+    path = _mpath(d.get("path"), f"{where}.path")
+    where = f"site {path or '<model>'}"
+    _need(path in infos, where, "its module is not described in the plan's modules")
+    info = infos[path]
+    _need(d.get("class") == info.cls, f"{where}.class", f"{d.get('class')!r:.60} is not the module's class {info.cls}")
+    op = get_op(d.get("op")) if isinstance(d.get("op"), str) else None
+    _need(op is not None, f"{where}.op", f"unknown op {d.get('op')!r:.60}")
+    flags = op.default_flags()
+    for name, v in _obj(d.get("flags", {}), f"{where}.flags").items():
+        spec = op.flag(name) if isinstance(name, str) else None
+        _need(spec is not None, f"{where}.flags", f"{op.name} has no flag {name!r:.60}")
+        try:
+            flags[name] = spec.coerce(v)
+        except FlagTypeError as e:
+            raise PlanError(f"{where}.flags: {e}") from None
+    sources = {n: _text(s, f"{where}.flag_sources.{n}", 400)
+               for n, s in _obj(d.get("flag_sources", {}), f"{where}.flag_sources").items() if n in flags}
+    host = _mpath(d.get("host"), f"{where}.host")
+    _need(host in infos, f"{where}.host", "the host module is not described in the plan's modules")
+    _need(host == path or host == "" or path.startswith(host + "."), f"{where}.host",
+          f"{host!r} is neither the site nor one of its ancestors")
+    covers = tuple(_mpath(c, f"{where}.covers") for c in _list(d.get("covers", []), f"{where}.covers"))
+    _need(all(c.startswith(path + ".") if path else True for c in covers), f"{where}.covers",
+          "a covered module is not a child of the site")
+    _need(set(covers) <= set(f"{path}.{c}" if path else c for c in op.covers), f"{where}.covers",
+          f"{op.name} fuses only {', '.join(op.covers) or 'nothing'}")
+    # Re-derive every kernel key from the recorded facts and flags, as plan_index does.
+    minfo = info.with_host(infos.get(host))
+    keys = []
+    for dt in dtypes:
+        try:
+            params = op.key_params(minfo, flags, dt, target)
+            key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+            validate_key(key)
+        except CodegenError as e:
+            raise PlanError(f"{where}: {e}") from None
+        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+            raise PlanError(f"{where}: the module's facts do not fit {op.name} "
+                            f"({type(e).__name__}: {str(e)[:120]})") from None
+        keys.append(key)
+    recorded = _list(d.get("kernels", []), f"{where}.kernels")
+    _need(len(recorded) == len(keys), f"{where}.kernels", f"expected {len(keys)} kernel(s), one per dtype")
+    for k, r in zip(keys, recorded):
+        if _canon(k.to_json()) != _canon(r):
+            rp = r.get("params") if isinstance(r, dict) and isinstance(r.get("params"), dict) else {}
+            diff = [n for n in sorted(set(k.param_dict) | set(rp)) if _canon(k.param_dict.get(n)) != _canon(rp.get(n))]
+            what = (f"parameter(s) {', '.join(map(str, diff[:5]))}" if diff else "its op, template or name")
+            raise PlanError(f"{where}.kernels: the recorded kernel differs from the one derived from the module's "
+                            f"facts and flags in {what:.200}")
+    refused = d.get("refused", "")
+    return Site(path, info.cls, op.name, tuple(flags.items()), tuple(sources.items()),
+                _text(d.get("rule"), f"{where}.rule", 400),
+                tuple(_text(r, f"{where}.rules", 400) for r in _list(d.get("rules", []), f"{where}.rules")),
+                _text(d.get("matched_by"), f"{where}.matched_by", 400), host, tuple(keys), covers,
+                _text(refused, f"{where}.refused", 1000), bool(d.get("optional", False) is True))
+
+
+def _load_plan(d: Any) -> PatchPlan:
+    try:
+        d = _obj(d, "plan")
+        _need(d.get("format") == PLAN_FORMAT, "plan.format", f"expected {PLAN_FORMAT} (a plan written by this version)")
+        target = d.get("target")
+        _need(target in _TARGETS, "plan.target", f"expected one of {', '.join(_TARGETS)}")
+        dtypes = tuple(_list(d.get("dtypes"), "plan.dtypes"))
+        _need(0 < len(dtypes) <= 3 and len(set(dtypes)) == len(dtypes) and all(x in _DTYPES for x in dtypes),
+              "plan.dtypes", f"expected distinct values among {', '.join(_DTYPES)}")
+        model_type = d.get("model_type")
+        _need(model_type is None or (isinstance(model_type, str) and bool(_FACT_STRINGS.fullmatch(model_type))),
+              "plan.model_type", "expected a short identifier or null")
+        infos = {_mpath(p, "plan.modules"): _module_info(p, m) for p, m in _obj(d.get("modules"), "plan.modules").items()}
+        sites = tuple(_load_site(i, s, infos, dtypes, target) for i, s in enumerate(_list(d.get("sites"), "plan.sites")))
+        paths = [s.path for s in sites]
+        _need(len(set(paths)) == len(paths), "plan.sites", "a module appears in two sites")
+        hosts = [s.host for s in sites]
+        _need(len(set(hosts)) == len(hosts), "plan.sites", "two sites replace the forward of the same module")
+        totals = []
+        for i, t in enumerate(_list(d.get("totals", []), "plan.totals")):
+            t = _obj(t, f"plan.totals[{i}]")
+            n, a, b = t.get("name"), t.get("patched"), t.get("present")
+            _need(isinstance(n, str) and bool(_PATH.fullmatch(n)) and len(n) <= 200, f"plan.totals[{i}].name",
+                  "expected a module name")
+            _need(all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 31 for x in (a, b)) and a <= b,
+                  f"plan.totals[{i}]", "expected counts 0 <= patched <= present")
+            totals.append((n, a, b))
+        totals = list(count_totals(sites, {n: b for n, _, b in totals}))
+        return PatchPlan(_text(d.get("spec"), "plan.spec", 1000), _ident(d.get("model_class"), "plan.model_class"),
+                         model_type, target, dtypes, sites,
+                         tuple(_text(u, "plan.unmatched_optional", 1000)
+                               for u in _list(d.get("unmatched_optional", []), "plan.unmatched_optional")),
+                         tuple(totals), infos)
+    except RecursionError:
+        raise PlanError("plan: nested too deeply") from None

@@ -271,3 +271,21 @@ def test_verify_real_qwen3_shapes_on_gpu():
     for dtype in ("bf16", "fp32"):
         report = patchdsl.verify(spec, factory, dtype=dtype, batch=2, seq=256, steps=2, device="cuda")
         assert report.passed, [(r.path, r.quantity, r.rel_fro_err, r.tolerance) for r in report.failures()]
+
+
+# ---------------------------------------------------------------- refused sites fail verify
+@pytest.mark.parametrize("optional", [False, True])
+def test_verify_fails_when_a_site_the_spec_asked_for_was_refused(optional):
+    """Llama has no q_norm/k_norm: fused_qk_norm_rope is refused on its attention.  A required
+    rule makes verify fail (exit 1); the same rule marked optional ('?') passes."""
+    from tests.families import tiny_model
+
+    spec = "model.norm: RMSNorm -> fused_rmsnorm\n" + ("optional " if optional else "") + \
+        "model.layers.0.self_attn: Attention -> fused_qk_norm_rope\n"
+    report = patchdsl.verify(spec, lambda: tiny_model("llama", num_hidden_layers=1), dtype="fp32", batch=1, seq=8,
+                             device=DEVICE)
+    assert len(report.refused) == 1 and "no q_norm/k_norm" in report.refused[0]
+    assert report.passed is optional
+    if not optional:
+        assert "the spec asked for were refused" in report.verdict
+        assert report.to_json()["refused_required"] == report.refused

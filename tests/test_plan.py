@@ -174,3 +174,42 @@ def test_cli_plan_full_qwen3_offline():
                                              "fused_linear_cross_entropy"}
     rms = next(s for s in d["sites"] if s["op"] == "fused_rmsnorm")
     assert rms["kernels"][0]["params"]["hidden"] == 1024
+
+
+def test_plan_shows_what_apply_will_refuse():
+    """`patchdsl plan specs/qwen3.kpatch --model meta-llama/Llama-3.2-1B`: Llama's attention has no
+    q_norm/k_norm, so the self_attn sites are refused at plan time with apply's reason, and never
+    counted as patched (text and --json)."""
+    from click.testing import CliRunner
+
+    from patchdsl.cli import main
+
+    r = CliRunner().invoke(main, ["plan", "specs/qwen3.kpatch", "--model", "meta-llama/Llama-3.2-1B", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output[r.output.index("{"):])
+    totals = {t["name"]: (t["patched"], t["present"]) for t in d["totals"]}
+    assert totals["self_attn"] == (0, 16) and totals["mlp"] == (16, 16)
+    refused = [s for s in d["sites"] if s["refused"]]
+    assert len(refused) == 16 and all(s["path"].endswith("self_attn") for s in refused)
+    assert "no q_norm/k_norm" in refused[0]["refused"] and "use fused_rope" in refused[0]["refused"]
+    assert not any(k["op"] == "fused_qk_norm_rope" for s in d["sites"] if not s["refused"] for k in s["kernels"])
+    r = CliRunner().invoke(main, ["plan", "specs/qwen3.kpatch", "--model", "meta-llama/Llama-3.2-1B"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "0/16 self_attn patched" in text
+    assert "refused fused_qk_norm_rope on 16 sites" in text and "no q_norm/k_norm" in text
+    assert "50 site(s) to patch, 16 refused" in text
+
+
+def test_plan_refusal_matches_apply():
+    from tests.families import tiny_model
+    from patchdsl.runtime import apply
+
+    m = tiny_model("llama")
+    p = plan("*.self_attn: Attention -> fused_qk_norm_rope\nmodel.norm: RMSNorm -> fused_rmsnorm", m)
+    assert [s.path for s in p.refused_sites] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert dict((n, (a, b)) for n, a, b in p.totals)["self_attn"] == (0, 2)
+    h = apply(p, m)
+    assert h.patched == ["model.norm"]
+    assert [(r.path, r.reason) for r in h.refused] == [(s.path, s.refused) for s in p.refused_sites]
+    h.undo()

@@ -136,7 +136,8 @@ def test_refused_site_reports_reason():
     h = apply(p2, m)
     assert h.patched == [] and len(h.refused) == 1
     r = h.refused[0]
-    assert r.path == "model.norm" and r.rule.endswith(":1") and "cast order" in r.reason
+    assert r.path == "model.norm" and r.rule.endswith(":1") and "does not match the plan" in r.reason
+    assert "RMSNorm casting: plan 'unknown', module 'llama'" in r.reason
     assert "refused fused_rmsnorm on model.norm" in str(r)
     with pytest.raises(PatchError, match="model.norm"):
         apply(p2, m, strict=True)

@@ -108,10 +108,43 @@ def _read_config_dict(path: Path) -> dict:
     return d
 
 
+# config.json fields that are sizes (positive integers) and epsilons / bases (finite numbers >= 0)
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+             "vocab_size", "head_dim", "max_position_embeddings", "moe_intermediate_size", "num_experts",
+             "num_local_experts", "num_experts_per_tok", "sliding_window", "query_pre_attn_scalar")
+NUMBER_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "partial_rotary_factor",
+               "final_logit_softcapping", "attn_logit_softcapping", "logits_scaling", "initializer_range")
+MAX_SIZE = 2 ** 31 - 1
+
+
+def check_config_dict(d: dict, where: str = "config.json") -> None:
+    """Refuse sizes that are not positive integers (strings, fractions, negatives, zero, true/false)
+    and numbers that are not finite, with the field's name; nested ``*_config`` objects too."""
+    if not isinstance(d.get("model_type"), str):
+        raise ModelLoadError(f"{where}: \"model_type\" must be a string")
+    for k in SIZE_KEYS:
+        if k not in d or d[k] is None:
+            continue
+        v = d[k]
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_SIZE:
+            raise ModelLoadError(f"{where}: \"{k}\" must be a positive integer (at most {MAX_SIZE}), "
+                                 f"got {json.dumps(v)[:40]}")
+    for k in NUMBER_KEYS:
+        if k not in d or d[k] is None:
+            continue
+        v = d[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ModelLoadError(f"{where}: \"{k}\" must be a finite number >= 0, got {json.dumps(v)[:40]}")
+    for k, v in d.items():
+        if k.endswith("_config") and isinstance(v, dict) and "model_type" in v:
+            check_config_dict(v, f"{where} ({k})")
+
+
 def config_from_dict(d: dict):
     """A PretrainedConfig from a config.json dict, without remote code (auto_map is ignored)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    check_config_dict(d)
     d = {k: v for k, v in d.items() if k not in ("auto_map", "_name_or_path")}
     model_type = d["model_type"]
     try:
@@ -119,7 +152,10 @@ def config_from_dict(d: dict):
     except KeyError:
         raise ModelLoadError(f"model_type '{model_type}' is not known to transformers {_transformers_version()} "
                              f"(patchdsl does not run remote code)") from None
-    return cls.from_dict(d)
+    try:
+        return cls.from_dict(d)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+        raise ModelLoadError(f"transformers refused this {model_type} config: {_one_line(e)}") from None
 
 
 def _transformers_version() -> str:
@@ -357,8 +393,12 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         cfg._name_or_path = spec_s
         if tiny:
             cfg = tiny_config(cfg)
-        model = _build(cfg, dtype=dtype, device=device, meta=meta, tiny=tiny, seed=seed,
-                       attn_implementation=attn_implementation)
+        try:
+            model = _build(cfg, dtype=dtype, device=device, meta=meta, tiny=tiny, seed=seed,
+                           attn_implementation=attn_implementation)
+        except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, OverflowError, ZeroDivisionError) as e:
+            raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {_one_line(e)}") \
+                from None
         if tiny:
             what = f"{_describe_tiny(cfg)} from {where}"
             msg = (f"{spec_s}: {what} on the meta device (no weights)" if meta

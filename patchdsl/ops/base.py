@@ -69,9 +69,10 @@ class FlagSpec:
             if ok:
                 try:
                     value = float(value)
-                except OverflowError:
-                    ok = False
-                ok = ok and math.isfinite(value)
+                except OverflowError:           # an int too big for a float
+                    value = math.inf
+                if not math.isfinite(value):    # inf / nan are no Python literal (docs/reliability.md)
+                    raise FlagTypeError(f"flag '{self.name}' must be a finite number, got {value}")
         elif self.type == "str":
             ok = isinstance(value, str)
         elif self.type == "choice":

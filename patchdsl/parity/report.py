@@ -63,12 +63,14 @@ class ParityReport:
     rows: list[Check] = field(default_factory=list)
     sites: list[dict[str, str]] = field(default_factory=list)   # {"path", "op", "host"} in plan order
     refused: list[str] = field(default_factory=list)
+    refused_required: list[str] = field(default_factory=list)   # refusals of sites not marked optional
     grads_compared: int = 0
 
     # ---- results -------------------------------------------------------------------
     @property
     def passed(self) -> bool:
-        return bool(self.rows) and all(r.passed for r in self.rows)
+        """Every check passed and no site the spec asked for (a rule without '?') was refused."""
+        return bool(self.rows) and all(r.passed for r in self.rows) and not self.refused_required
 
     def failures(self) -> list[Check]:
         return [r for r in self.rows if not r.passed]
@@ -104,6 +106,9 @@ class ParityReport:
             st = [r for r in self.failures() if r.kind == "step"]
             if st:
                 parts.append(f"{len(st)} training step(s) diverged")
+            if self.refused_required:
+                parts.append(f"{len(self.refused_required)} site(s) the spec asked for were refused "
+                             f"(start the rule with 'optional' to accept that)")
             s = "FAIL: " + "; ".join(parts)
         if self.refused:
             s += f" ({len(self.refused)} site(s) refused and left unpatched)"
@@ -132,7 +137,7 @@ class ParityReport:
             "end_to_end": [r.to_json() for r in self.rows if r.kind == "end-to-end"],
             "steps": [r.to_json() for r in self.rows if r.kind == "step"],
             "grads_compared": self.grads_compared,
-            "refused": list(self.refused),
+            "refused": list(self.refused), "refused_required": list(self.refused_required),
         }
 
     def table(self):

@@ -189,6 +189,7 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int 
                           spec=spec_name, batch=batch, seq=seq, steps=steps, seed=seed,
                           factor=tol.factor, floor=tol.floor)
     report.refused = [str(r) for r in handle.refused]
+    report.refused_required = [str(r) for r in handle.refused_required]
     live = [s for s in p.sites if s.path in handle.patched]
     report.sites = [{"path": s.path, "op": s.op, "host": s.host} for s in live]
     try:

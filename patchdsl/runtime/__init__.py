@@ -8,6 +8,6 @@ in ``torch.nn.functional``.  Parameters are never copied or replaced, so ``state
 optimizers built before patching, and checkpoints are unaffected.
 """
 
-from .patch import PatchError, PatchHandle, Refusal, apply, patch_module
+from .patch import PatchError, PatchHandle, Refusal, UnsupportedDtype, apply, patch_module, unpatch
 
-__all__ = ["PatchError", "PatchHandle", "Refusal", "apply", "patch_module"]
+__all__ = ["PatchError", "PatchHandle", "Refusal", "UnsupportedDtype", "apply", "patch_module", "unpatch"]

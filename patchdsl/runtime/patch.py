@@ -1,26 +1,72 @@
-"""Apply a PatchPlan to a live model; undo it."""
+"""Apply a PatchPlan to a live model; undo it.
+
+The rules (docs/reliability.md, "Runtime, plan files and the kernel cache"):
+
+* ``apply`` checks every site on the LIVE module, not only the facts recorded at plan time: the
+  class, the structural facts the op specialises on (sizes, eps, offset, casting, ...), the
+  parameter dtype, and that the parameters sit on the device the kernels target.  A site whose
+  facts changed since planning (eps set after planning, a plan made on another instance) is
+  refused with the difference as its reason.  The op's own ``check`` then runs on the live module.
+* Strict mode is all or nothing: the first refusal raises PatchError and nothing stays patched;
+  any error while patching undoes what was done.
+* Forward hooks (``register_forward_hook`` / pre-hooks) live on the module and keep running.
+  A ``forward`` set on the instance BEFORE apply: an accelerate hook (``_hf_hook`` plus
+  ``_old_forward``) keeps being called; apply replaces ``_old_forward``, the function the hook
+  calls.  Any other instance-level forward is refused (patchdsl does not drop or blindly wrap
+  code it does not know): apply first, or remove it.
+* ``undo`` restores an attribute only while it still holds the value apply set: a forward the
+  user set after apply stays (listed in ``handle.left``).
+* A ``copy.deepcopy`` of a patched model is patched too, consistently: its forwards are bound to
+  the copy and read the copy's weights, and it carries its own record, so ``undo`` of the
+  original leaves it alone and :func:`unpatch` (``patchdsl.unpatch``) restores it.
+* Kernels exist for fp32, bf16 and fp16.  A patched forward called with another dtype (a model
+  cast to float64 after apply) raises :class:`UnsupportedDtype`, which says to undo first.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from ..codegen import KernelKey, load_kernel
 from ..codegen.env import target as detect_target
-from ..index import build_index
+from ..index import module_info
 from ..ops.base import ModuleInfo, Op
-from ..ops.kinds import unwrap
-from ..ops.registry import get_op
-from ..planner import PatchPlan
-from ..planner import plan as make_plan
 from ..ops.common import dtype_name
+from ..ops.registry import get_op
+from ..planner import PatchPlan, PlanError, check_site
+from ..planner import plan as make_plan
 
-_MISSING = object()
+class _Missing:
+    """'There was no instance attribute': one object, kept by copy/deepcopy/pickle."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return "_MISSING"
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
 SITE_ATTR = "_patchdsl_site"
+KERNEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class PatchError(RuntimeError):
     """The plan does not fit the model (wrong model, already patched, a refused site with strict=True)."""
+
+
+class UnsupportedDtype(PatchError, TypeError):
+    """A patched forward was called with a dtype its kernels do not cover (e.g. float64)."""
 
 
 @dataclass(frozen=True)
@@ -29,9 +75,22 @@ class Refusal:
     op: str
     rule: str
     reason: str
+    optional: bool = False
 
     def __str__(self) -> str:
         return f"{self.rule}: refused {self.op} on {self.path}: {self.reason}"
+
+
+@dataclass
+class SiteRecord:
+    """Stored on a patched host (``host._patchdsl_site``): what apply set there and what it replaced.
+    Deep-copied with the module, so a copy can be unpatched on its own (:func:`unpatch`)."""
+
+    label: str
+    changes: list = field(default_factory=list)    # (attribute, old value or _MISSING, new value)
+
+    def __str__(self) -> str:
+        return self.label
 
 
 def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: list[str] = ()) -> Callable:
@@ -41,7 +100,12 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
     def get(dt):
         mod = cache.get(dt)
         if mod is None:
-            params = op.key_params(info, flags, dtype_name(dt), target)
+            name = dtype_name(dt)
+            if name not in KERNEL_DTYPES:
+                raise UnsupportedDtype(
+                    f"{op.name} has kernels for float32, bfloat16 and float16 only, not {dt} (was the model cast "
+                    f"after patchdsl.apply? call handle.undo() before casting, then apply again)")
+            params = op.key_params(info, flags, name, target)
             mod = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
             cache[dt] = mod
         return mod
@@ -50,8 +114,24 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
         import torch
 
         for d in preload:
-            get({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[d])
+            get(getattr(torch, KERNEL_DTYPES[d]))
     return get
+
+
+def _holds(obj: Any, attr: str, value: Any) -> bool:
+    d = getattr(obj, "__dict__", None)
+    cur = d.get(attr, _MISSING) if d is not None else getattr(obj, attr, _MISSING)
+    return cur is value
+
+
+def _restore(obj: Any, attr: str, old: Any) -> None:
+    if old is _MISSING:
+        try:
+            delattr(obj, attr)
+        except AttributeError:
+            pass
+    else:
+        setattr(obj, attr, old)
 
 
 @dataclass
@@ -61,20 +141,19 @@ class PatchHandle:
     plan: Any
     patched: list[str] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
-    _undo: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+    left: list[str] = field(default_factory=list)       # attributes undo left alone (changed since apply)
+    _undo: list[tuple[Any, str, Any, Any]] = field(default_factory=list, repr=False)
     active: bool = True
 
     def undo(self) -> None:
-        """Restore every attribute this handle changed, in reverse order.  Idempotent."""
+        """Restore every attribute this handle changed, in reverse order, where it still holds
+        the value apply set (a value set since is left alone and listed in ``left``).  Idempotent."""
         while self._undo:
-            obj, attr, old = self._undo.pop()
-            if old is _MISSING:
-                try:
-                    delattr(obj, attr)
-                except AttributeError:
-                    pass
+            obj, attr, old, new = self._undo.pop()
+            if _holds(obj, attr, new):
+                _restore(obj, attr, old)
             else:
-                setattr(obj, attr, old)
+                self.left.append(f"{type(obj).__name__}.{attr}")
         self.active = False
 
     def __enter__(self) -> "PatchHandle":
@@ -83,6 +162,11 @@ class PatchHandle:
     def __exit__(self, *exc) -> None:
         self.undo()
 
+    @property
+    def refused_required(self) -> list[Refusal]:
+        """Refusals of sites the spec asked for (not marked optional)."""
+        return [r for r in self.refused if not r.optional]
+
     def summary(self) -> str:
         s = f"patched {len(self.patched)} site(s)"
         if self.refused:
@@ -90,27 +174,143 @@ class PatchHandle:
         return s
 
 
-def _set(handle: PatchHandle, obj: Any, attr: str, value: Any) -> None:
+def _set(handle: PatchHandle, record: SiteRecord | None, obj: Any, attr: str, value: Any) -> None:
     old = obj.__dict__.get(attr, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, attr, _MISSING)
-    handle._undo.append((obj, attr, old))
+    handle._undo.append((obj, attr, old, value))
     setattr(obj, attr, value)
+    if record is not None:
+        record.changes.append((attr, old, value))
 
 
-def _resolve(model: Any, path: str) -> Any:
-    return model if path == "" else model.get_submodule(path)
+def unpatch(model: Any) -> int:
+    """Remove every patchdsl patch found on ``model``'s modules (e.g. on a deepcopy of a patched
+    model, which has no handle); return how many sites were restored.  Attributes changed since
+    they were patched are left alone."""
+    n = 0
+    for _, m in model.named_modules():
+        rec = m.__dict__.get(SITE_ATTR)
+        if not isinstance(rec, SiteRecord):
+            continue
+        for attr, old, new in reversed(rec.changes):
+            if _holds(m, attr, new):
+                _restore(m, attr, old)
+        m.__dict__.pop(SITE_ATTR, None)
+        n += 1
+    return n
+
+
+def _fmt(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, default=repr) if not isinstance(v, str) else repr(v)
+
+
+def _fact_diff(planned: ModuleInfo, live: ModuleInfo, kinds: tuple[str, ...]) -> list[str]:
+    out = []
+    if planned.cls != live.cls:
+        out.append(f"class: plan {planned.cls}, module {live.cls}")
+    for k in kinds:
+        a, b = dict(planned.facts(k)), dict(live.facts(k))
+        if not a and not b:
+            continue
+        if not b:
+            out.append(f"no longer a {k}")
+            continue
+        if not a:
+            continue
+        for n in sorted(set(a) | set(b)):
+            if _fmt(a.get(n)) != _fmt(b.get(n)):
+                out.append(f"{k} {n}: plan {_fmt(a.get(n))}, module {_fmt(b.get(n))}")
+    if planned.dtype != live.dtype:
+        out.append(f"dtype: plan {planned.dtype}, module {live.dtype}")
+    return out
+
+
+def _device_reason(module: Any, target: str) -> str | None:
+    p = next(module.parameters(), None) if hasattr(module, "parameters") else None
+    if p is None:
+        return None
+    dev = p.device.type
+    if dev == "meta":
+        return "its parameters are on the meta device (load or materialise the weights before apply)"
+    want = "cuda" if target == "cuda" else "cpu"
+    if dev != want:
+        return (f"its parameters are on {dev} but the kernels target {target} "
+                f"(move the model to {want}, or plan for the matching target)")
+    return None
+
+
+def _live_reason(site, op: Op, plan: PatchPlan, module: Any, host: Any, target: str) -> tuple[str | None, ModuleInfo]:
+    """Compare the live module (and host) with the plan; return (reason or None, live info)."""
+    planned = plan.infos.get(site.path)
+    live = module_info(module, site.path)
+    live_host = module_info(host, site.host) if host is not module else None
+    info = live.with_host(live_host)
+    kinds = tuple(dict.fromkeys(op.kinds + ("CausalLM", "Linear")))
+    diffs = []
+    if planned is not None:
+        diffs += _fact_diff(planned, live, kinds)
+        ph = plan.infos.get(site.host)
+        if live_host is not None and ph is not None:
+            diffs += [f"host {d}" for d in _fact_diff(ph, live_host, ("CausalLM",))]
+    if not diffs:
+        flags = site.flag_dict
+        for key in site.keys:
+            dt = key.param_dict.get("dtype")
+            try:
+                params = op.key_params(info, flags, dt, target)
+            except Exception as e:
+                return f"its facts no longer fit {op.name}: {type(e).__name__}: {e}", info
+            derived = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+            if derived != key:
+                rec = key.param_dict
+                diffs += [f"kernel {n}: plan {_fmt(rec.get(n))}, module {_fmt(params.get(n))}"
+                          for n in sorted(set(rec) | set(params)) if _fmt(rec.get(n)) != _fmt(params.get(n))]
+                break
+    if diffs:
+        return ("the module does not match the plan (changed since planning, or another model): "
+                + "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")), info
+    return _device_reason(module, target) or _device_reason(host, target), info
+
+
+def _forward_slot(obj: Any) -> tuple[str | None, str | None]:
+    """Where a patched forward goes on ``obj``: ("forward", None) normally, ("_old_forward", None)
+    under an accelerate hook, (None, reason) for an unknown instance-level forward."""
+    d = getattr(obj, "__dict__", {})
+    if "forward" not in d:
+        return "forward", None
+    if hasattr(obj, "_hf_hook") and "_old_forward" in d:
+        return "_old_forward", None
+    f = d["forward"]
+    name = getattr(f, "__qualname__", None) or type(f).__name__
+    return None, (f"its forward was replaced on the instance before apply (by {name}); patchdsl will not drop "
+                  f"it or guess how to wrap it: apply patchdsl first, or remove that wrapper "
+                  f"(accelerate hooks are kept)")
 
 
 def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool = True,
           target: str | None = None, log: Callable[[str], None] | None = None) -> PatchHandle:
-    """Patch ``model`` according to a PatchPlan (or a spec / spec path / spec text, planned here).
+    """Patch ``model`` according to a PatchPlan, a plan file (``*.json`` path, or its parsed JSON
+    dict: checked by :meth:`PatchPlan.from_json`), or a spec / spec path / spec text (planned here).
 
-    A site whose module does not fit its op is refused with a one-line reason (``handle.refused``)
-    and left unpatched; ``strict=True`` raises PatchError instead.
+    A site whose module does not fit its op, or no longer matches the plan, is refused with a
+    one-line reason (``handle.refused``) and left unpatched; ``strict=True`` raises PatchError
+    instead, with nothing patched.
     """
     target = target or detect_target()
-    plan = plan_or_spec if isinstance(plan_or_spec, PatchPlan) else make_plan(plan_or_spec, model, target=target)
+    if isinstance(plan_or_spec, dict):                      # a plan file's JSON: checked like a fresh plan
+        plan_or_spec = PatchPlan.from_json(plan_or_spec)
+    elif isinstance(plan_or_spec, (str, os.PathLike)) and str(plan_or_spec).endswith(".json"):
+        try:
+            text = Path(plan_or_spec).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read plan file {str(plan_or_spec)!r}: {e}") from None
+        plan_or_spec = PatchPlan.loads(text)
+    fresh = not isinstance(plan_or_spec, PatchPlan)
+    plan = make_plan(plan_or_spec, model, target=target) if fresh else plan_or_spec
     if plan.model_class != type(model).__name__:
         raise PatchError(f"the plan was made for {plan.model_class}, not {type(model).__name__}")
+    if plan.target != target:
+        raise PatchError(f"the plan's kernels target {plan.target}, but this process runs {target} kernels; "
+                         f"plan again with target={target!r}")
     handle = PatchHandle(plan)
     modules = dict(model.named_modules())      # snapshot before patching
     try:
@@ -118,32 +318,46 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
             op = get_op(site.op)
             if site.path not in modules and site.path != "":
                 raise PatchError(f"{site.path} is in the plan but not in the model")
+            if site.host not in modules and site.host != "":
+                raise PatchError(f"{site.host} is in the plan but not in the model")
             module = modules.get(site.path, model)
             host = modules.get(site.host, model) if site.host else model
             owner = getattr(host, SITE_ATTR, None)
             if owner is not None:
                 raise PatchError(f"{site.host or '<model>'} is already patched ({owner}); undo that handle first")
-            info = plan.infos.get(site.path)
-            if info is None:
-                info = build_index(module).infos[""]
-            info = info.with_host(plan.infos.get(site.host))
             flags = site.flag_dict
-            reason = op.check(unwrap(module), info, flags)
-            if reason is None and host is not module:
-                # ops hosted elsewhere (the loss path on the causal LM) also vet the host
-                reason = op.check(unwrap(host), info, flags)
+            reason = site.refused or None
+            info = None
+            if reason is None:
+                if fresh:
+                    info = plan.infos[site.path].with_host(plan.infos.get(site.host))
+                    reason = _device_reason(module, target) or _device_reason(host, target)
+                else:
+                    reason, info = _live_reason(site, op, plan, module, host, target)
+            if reason is None:
+                reason = check_site(op, module, host, info, flags)
+            installs = []
+            if reason is None:
+                kernels = kernel_getter(op, info, flags, target, list(plan.dtypes) if preload else [])
+                for obj, attr, value in op.install(host, kernels, flags, info):
+                    if attr == "forward":
+                        attr, why = _forward_slot(obj)
+                        if why:
+                            reason = why
+                            break
+                    installs.append((obj, attr, value))
             if reason:
-                r = Refusal(site.path, site.op, site.rule, reason)
+                r = Refusal(site.path, site.op, site.rule, reason, site.optional)
                 if strict:
                     raise PatchError(str(r))
                 handle.refused.append(r)
                 if log:
                     log(str(r))
                 continue
-            kernels = kernel_getter(op, info, flags, target, list(plan.dtypes) if preload else [])
-            for obj, attr, value in op.install(host, kernels, flags, info):
-                _set(handle, obj, attr, value)
-            _set(handle, host, SITE_ATTR, f"{site.op} from {site.rule}")
+            record = SiteRecord(f"{site.op} from {site.rule}")
+            for obj, attr, value in installs:
+                _set(handle, record if obj is host else None, obj, attr, value)
+            _set(handle, None, host, SITE_ATTR, record)
             handle.patched.append(site.path)
     except BaseException:
         handle.undo()
@@ -157,7 +371,7 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
     if op is None:
         raise PatchError(f"unknown op {op_name!r}")
     target = target or detect_target()
-    info = build_index(module).infos[""]
+    info = module_info(module, "")
     resolved = op.default_flags()
     for k, v in flags.items():
         spec = op.flag(k)
@@ -165,11 +379,16 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
             raise PatchError(f"unknown flag {k!r} for {op_name}")
         resolved[k] = spec.coerce(v)
     handle = PatchHandle(None)
-    reason = op.check(unwrap(module), info, resolved)
+    reason = check_site(op, module, module, info, resolved)
     if reason:
         raise PatchError(f"refused {op_name} on {type(module).__name__}: {reason}")
     kernels = kernel_getter(op, info, resolved, target)
     for obj, attr, value in op.install(module, kernels, resolved, info):
-        _set(handle, obj, attr, value)
+        if attr == "forward":
+            attr, why = _forward_slot(obj)
+            if why:
+                handle.undo()
+                raise PatchError(f"refused {op_name} on {type(module).__name__}: {why}")
+        _set(handle, None, obj, attr, value)
     handle.patched.append("")
     return handle
