@@ -256,7 +256,7 @@ def test_a_bad_config_json_is_a_clear_error_with_exit_2(field, value, tmp_path):
 @pytest.mark.parametrize("rule", ["model.norm: RMSNorm -> fused_rmsnorm(eps=1e309)",
                                   "lm_head: Linear -> fused_linear_cross_entropy(z_loss=1e309)"])
 def test_a_non_finite_flag_is_a_located_spec_error(rule, qwen):
-    with pytest.raises(patchdsl.SpecError, match="must be a finite number") as ei:
+    with pytest.raises(patchdsl.SpecError, match="finite") as ei:
         plan(rule, qwen)
     assert ei.value.span.line == 1
 

@@ -182,7 +182,10 @@ def test_peft_lora_and_modules_to_save():
 
 def test_loss_ops_refuse_a_linear_that_is_not_the_lm_head():
     m = tiny_model("qwen3")
+    from patchdsl import SpecError
+
     for op in ("fused_cross_entropy", "fused_linear_cross_entropy"):
-        h = apply(plan(f"*.layers.0.self_attn.q_proj: Linear -> {op}", m), m)
-        assert h.patched == [] and len(h.refused) == 1, op
-        assert "not the causal LM's lm_head" in h.refused[0].reason
+        # caught at plan time now, with the op's home in the hint
+        with pytest.raises(SpecError) as ei:
+            plan(f"*.layers.0.self_attn.q_proj: Linear -> {op}", m)
+        assert "lm_head" in ei.value.render(), op
