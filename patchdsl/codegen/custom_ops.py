@@ -34,6 +34,7 @@ _lock = threading.Lock()
 # qualified name -> CustomOpDef.  Strong references on purpose: torch keeps only weak ones
 # (torch._library.custom_ops.OPDEFS), and a collected CustomOpDef unregisters its op.
 _DEFS: dict[str, Any] = {}
+_DIFFERENTIABLE: set[str] = set()
 
 
 _forced = False
@@ -79,6 +80,7 @@ def custom_op(name: str, impl: Callable, *, fake: Callable, mutates_args: Iterab
             d.register_fake(fake)
             if backward is not None:
                 d.register_autograd(backward, setup_context=setup_context)
+                _DIFFERENTIABLE.add(qualname)
             _DEFS[qualname] = d
     return d._opoverload
 
@@ -87,6 +89,12 @@ def registered() -> dict[str, Any]:
     """Every op registered so far: qualified name -> ``CustomOpDef`` (for tests and ``opcheck``)."""
     with _lock:
         return dict(_DEFS)
+
+
+def differentiable(qualname: str) -> bool:
+    """Whether the op has an autograd formula (backward ops have none: they run in a backward,
+    where grad mode is off; double backward through them raises)."""
+    return qualname in _DIFFERENTIABLE
 
 
 def op_def(op: Any) -> Any:
