@@ -13,6 +13,7 @@ Python literal.  The kernel name (used in the header and in file names) must mat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -152,9 +153,23 @@ def header(key: KernelKey) -> str:
     )
 
 
+def op_prefix(key: KernelKey) -> str:
+    """Prefix of the names of the module's ``torch.library`` custom ops (``patchdsl::<prefix>_fwd``...).
+
+    The kernel name made an identifier, plus a hash of the template text and the parameters:
+    kernels that differ in anything (eps, a flag the name does not show) never share an op name,
+    and the same key always gives the same name (re-importing a module finds its ops registered).
+    """
+    h = hashlib.sha256()
+    for part in (template_text(key.template), key.template, key.params_json()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return f"{re.sub(r'[^0-9A-Za-z_]', '_', key.name)}_{h.hexdigest()[:10]}"
+
+
 def render(key: KernelKey) -> str:
     """Render the op's template for ``key`` and prefix the provenance header."""
     head = header(key)               # validates the key first
     tmpl = _env().get_template(key.template)
-    body = tmpl.render(**key.param_dict, kernel_name=key.name)
+    body = tmpl.render(**key.param_dict, kernel_name=key.name, op_prefix=op_prefix(key))
     return head + body

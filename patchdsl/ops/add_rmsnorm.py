@@ -26,6 +26,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
 from .base import ModuleInfo, Op
+from .common import signature_binder
 from .registry import register
 from .rmsnorm import RMS_FLAGS, rms_kernel_name, rms_key_params
 
@@ -104,6 +105,7 @@ def build_forward(cls: type, fused: Callable) -> Callable:
     varkw = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     renames = kwarg_renames(orig)
     ckpt = checkpoints_in_forward(orig)
+    bind = signature_binder(sig)      # traceable by Dynamo, unlike sig.bind
 
     def body(self, *args, **kwargs):
         for old, new in renames:
@@ -112,9 +114,7 @@ def build_forward(cls: type, fused: Callable) -> Callable:
                     kwargs.pop(old)
                 else:
                     kwargs[new] = kwargs.pop(old)
-        bound = sig.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        a = dict(bound.arguments)
+        a = bind(self, *args, **kwargs)
         a.pop(self_name)
         hidden_states = a.pop(hs_name)
         extra = a.pop(varkw, None) if varkw else None

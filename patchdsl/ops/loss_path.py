@@ -39,6 +39,7 @@ import types
 from typing import Any, Callable, Mapping
 
 from .base import ModuleInfo
+from .common import signature_binder
 from .kinds import linear_like, unwrap
 
 # What the patched forward may see the original forward read from ``self`` / ``self.config``.
@@ -305,7 +306,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
     import torch
 
     shape = forward_shape(type(host))
-    sig = inspect.signature(shape.func)
+    bind = signature_binder(shape.sig)     # traceable by Dynamo, unlike sig.bind
     var_kw = shape.var_kw
     prev = host.__dict__.get("forward")          # an instance-level forward we wrap, if any
     ignore = int(flags.get("ignore_index", -100))
@@ -320,11 +321,9 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
         if not (self.training and torch.is_grad_enabled()):
             return original(self, *args, **kwargs)
         try:
-            bound = sig.bind(self, *args, **kwargs)
+            a = bind(self, *args, **kwargs)
         except TypeError:
             return original(self, *args, **kwargs)          # let the original raise its own error
-        bound.apply_defaults()
-        a = dict(bound.arguments)
         a.pop("self", None)
         extra = dict(a.pop(var_kw, {}) or {}) if var_kw else {}
         labels = a.get("labels")

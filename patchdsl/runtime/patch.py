@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..codegen import KernelKey, load_kernel
+from ..codegen.custom_ops import compiling
 from ..codegen.env import target as detect_target
 from ..index import module_info
 from ..ops.base import ModuleInfo, Op
@@ -100,6 +101,14 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
     def get(dt):
         mod = cache.get(dt)
         if mod is None:
+            if compiling():
+                # rendering and importing a module cannot be traced: say what to do instead of
+                # letting Dynamo fail somewhere inside importlib
+                have = ", ".join(dtype_name(d) for d in cache) or "none"
+                raise RuntimeError(
+                    f"{op.name} on {info.path or '<model>'}: no kernel was loaded for {dtype_name(dt)} before "
+                    f"torch.compile traced the model (loaded: {have}); add {dtype_name(dt)} to the spec's "
+                    "dtype line, or run one eager step first")
             name = dtype_name(dt)
             if name not in KERNEL_DTYPES:
                 raise UnsupportedDtype(
@@ -382,7 +391,9 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
     reason = check_site(op, module, module, info, resolved)
     if reason:
         raise PatchError(f"refused {op_name} on {type(module).__name__}: {reason}")
-    kernels = kernel_getter(op, info, resolved, target)
+    # the module's own dtype is loaded now: a kernel cannot be loaded while torch.compile traces
+    preload = [info.dtype] if info.dtype in ("fp32", "bf16", "fp16") else []
+    kernels = kernel_getter(op, info, resolved, target, preload)
     for obj, attr, value in op.install(module, kernels, resolved, info):
         if attr == "forward":
             attr, why = _forward_slot(obj)
