@@ -96,6 +96,12 @@ def _set(handle: PatchHandle, obj: Any, attr: str, value: Any) -> None:
     setattr(obj, attr, value)
 
 
+def unsharded_name(class_name: str) -> str:
+    """The class name without the ``FSDP`` prefix of the subclass FSDP2's ``fully_shard`` swaps in
+    (``FSDPQwen3ForCausalLM`` -> ``Qwen3ForCausalLM``): a plan made before sharding fits after it."""
+    return class_name[4:] if class_name.startswith("FSDP") and class_name[4:5].isupper() else class_name
+
+
 def _resolve(model: Any, path: str) -> Any:
     return model if path == "" else model.get_submodule(path)
 
@@ -109,7 +115,7 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
     """
     target = target or detect_target()
     plan = plan_or_spec if isinstance(plan_or_spec, PatchPlan) else make_plan(plan_or_spec, model, target=target)
-    if plan.model_class != type(model).__name__:
+    if unsharded_name(plan.model_class) != unsharded_name(type(model).__name__):
         raise PatchError(f"the plan was made for {plan.model_class}, not {type(model).__name__}")
     handle = PatchHandle(plan)
     modules = dict(model.named_modules())      # snapshot before patching
