@@ -224,7 +224,6 @@ def test_zero3_partition_that_nothing_gathers_is_a_clear_error():
 @pytest.mark.parametrize("make, expected", [
     (lambda: torch.nn.Linear(4, 3), None),
     (lambda: type("FSDPLinear", (type("FSDPModule", (), {}), torch.nn.Linear), {})(4, 3), "fsdp2"),
-    (lambda: FakeZero3(torch.nn.Linear(4, 3), gather=False) and None, None),
 ])
 def test_head_gather_table(make, expected):
     assert loss_path.head_gather(make()) == expected
@@ -277,3 +276,13 @@ def test_plan_made_before_sharding_applies_after_the_class_swap():
     other.__class__ = type("FSDP" + type(other).__name__, (type(other),), {})
     with pytest.raises(PatchError, match="made for Qwen3ForCausalLM, not FSDPLlamaForCausalLM"):
         apply(plan, other)
+
+
+def test_apply_refuses_a_model_already_partitioned_by_zero3():
+    from .families import tiny_model
+
+    m = tiny_model("llama")
+    FakeZero3(m.lm_head, gather=False)
+    with pytest.raises(PatchError, match=r"DeepSpeed ZeRO-3 partitions \(e.g. lm_head.weight\): patch before"):
+        apply("model.norm: RMSNorm -> fused_rmsnorm", m)
+    assert "forward" not in m.model.norm.__dict__

@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-unit", action="store_true",
                    help="also fully_shard lm_head as its own unit (unties the embeddings first: a tied weight "
                         "cannot live in two units); the fused loss then runs inside lm_head's call")
+    p.add_argument("--ref-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="gradient checkpointing for the float64 reference (default: on with CUDA)")
     p.add_argument("--record-head", action="store_true",
                    help="record the lm_head weight shape the fused loss receives (tests)")
     p.add_argument("--out", default=None, help="JSON file written by rank 0")
@@ -192,6 +194,10 @@ def run_variant(a, variant: str, rank: int, world: int, dev) -> dict[str, Any]:
     model = _build(a, param_dtype)
     if a.head_unit:
         untie(model)
+    if variant == "ref64" and a.ref_checkpointing:
+        # float64 activations of a real-size batch would not fit; recomputation does not change values
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        rec["gradient_checkpointing"] = True
     rec: dict[str, Any] = {"variant": variant, "dtype": run_dtype}
     recorder = None
 
@@ -304,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and a.dtype == "bf16" and a.tiny:
         pass   # allowed, but slow on the interpreter
+    if a.ref_checkpointing is None:
+        a.ref_checkpointing = device == "cuda"
     rank, world, dev = _init(device)
     import torch.distributed as dist
 

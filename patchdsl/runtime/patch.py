@@ -114,6 +114,10 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
     and left unpatched; ``strict=True`` raises PatchError instead.
     """
     target = target or detect_target()
+    partitioned = next((n for n, p in model.named_parameters() if hasattr(p, "ds_shape")), None)
+    if partitioned is not None:
+        raise PatchError(f"the model's weights are DeepSpeed ZeRO-3 partitions (e.g. {partitioned}): patch "
+                         "before deepspeed.initialize and outside deepspeed.zero.Init (docs/distributed.md)")
     plan = plan_or_spec if isinstance(plan_or_spec, PatchPlan) else make_plan(plan_or_spec, model, target=target)
     if unsharded_name(plan.model_class) != unsharded_name(type(model).__name__):
         raise PatchError(f"the plan was made for {plan.model_class}, not {type(model).__name__}")
