@@ -100,6 +100,7 @@ def test_fsdp2_two_processes_patched_trains_like_unpatched(tmp_path):
         assert r["patched_sites"] == 8 and r["refused"] == [], r
         assert close(r["losses"], base), (name, r["losses"], base)
         assert r["head_weight_shapes"] == [[512, 64]] * 5, r["head_weight_shapes"]
+        assert r["undo_leaves_patched_forwards"] == 0 and r["loss_after_undo_finite"]
     c = v["patched+compile"]
     if "error" in c:
         why = compile_probe()

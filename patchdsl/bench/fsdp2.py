@@ -200,9 +200,10 @@ def run_variant(a, variant: str, rank: int, world: int, dev) -> dict[str, Any]:
         rec["gradient_checkpointing"] = True
     rec: dict[str, Any] = {"variant": variant, "dtype": run_dtype}
     recorder = None
+    handle = None
 
     def patch():
-        nonlocal recorder
+        nonlocal recorder, handle
         plan = patchdsl.plan(a.spec, model, dtypes=(a.dtype,))
         handle = patchdsl.apply(plan, model)
         rec["patched_sites"] = len(handle.patched)
@@ -247,6 +248,15 @@ def run_variant(a, variant: str, rank: int, world: int, dev) -> dict[str, Any]:
     if recorder is not None:
         recorder.remove()
         rec["head_weight_shapes"] = recorder.shapes
+    if handle is not None and not variant.endswith("+compile"):
+        # undo on the sharded model: every patched forward goes, the FSDP2 model still trains
+        handle.undo()
+        inner = model
+        rec["undo_leaves_patched_forwards"] = sum("forward" in m.__dict__ for m in inner.modules())
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.zero_grad(set_to_none=True)
+        rec["loss_after_undo_finite"] = bool(torch.isfinite(out.loss.detach()).item())
     timed = times[2:] if len(times) > 4 else times[1:] or times
     tokens = a.batch * a.seq * world
     rec["losses"] = losses

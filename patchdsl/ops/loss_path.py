@@ -396,17 +396,19 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
 
             def fused(h, y, n):
                 w, b = lm.weight, lm.bias                # read now: whole here, whoever shards them
-                if autocast is not None:                 # lm_head(...) would run in the autocast dtype
-                    w = w.to(autocast)
-                    b = b.to(autocast) if b is not None else None
                 why = unsharded_reason(w)
                 if why:
                     raise RuntimeError(f"fused_linear_cross_entropy: {why}")
+                if autocast is not None:                 # lm_head(...) would run in the autocast dtype
+                    w = w.to(autocast)
+                    b = b.to(autocast) if b is not None else None
                 return kernels(w.dtype).linear_cross_entropy(h, w, b, y, n)
 
-            if head_gather(lm):
-                # lm_head's weight is whole only inside lm_head's own call: run the loss there
-                loss = call_as_forward(lm, fused, hidden, shift, num_items)
+            # the weight whole only inside a module's own call (an FSDP2 unit, possibly PEFT's wrapper
+            # around lm_head; a ZeRO-3 partition): run the loss as that module's forward
+            owner = self.lm_head if head_gather(self.lm_head) == "fsdp2" else lm
+            if head_gather(owner):
+                loss = call_as_forward(owner, fused, hidden, shift, num_items)
             else:
                 loss = fused(hidden, shift, num_items)
         else:
