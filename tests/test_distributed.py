@@ -287,3 +287,26 @@ def test_apply_refuses_a_model_already_partitioned_by_zero3():
     with pytest.raises(PatchError, match=r"DeepSpeed ZeRO-3 partitions \(e.g. lm_head.weight\): patch before"):
         apply("model.norm: RMSNorm -> fused_rmsnorm", m)
     assert "forward" not in m.model.norm.__dict__
+
+
+def test_qk_norm_rope_refuses_a_partitioned_q_norm_instead_of_launching_on_it():
+    """q_norm/k_norm are read in the attention's forward; a ZeRO-3 partition there is an error, not a kernel launch."""
+    from .families import tiny_model
+
+    m = tiny_model("qwen3")
+    apply("model.layers.0.self_attn: Attention -> fused_qk_norm_rope", m, strict=True)
+    FakeZero3(m.model.layers[0].self_attn.q_norm, gather=False)
+    ids = torch.randint(0, 320, (1, 4))
+    with pytest.raises(RuntimeError, match=r"q_norm.weight is a DeepSpeed ZeRO-3 partition .*persistence_threshold"):
+        m(input_ids=ids)
+
+
+def test_add_rmsnorm_refuses_a_partitioned_post_attention_norm():
+    from .families import tiny_model
+
+    m = tiny_model("qwen3")
+    apply("model.layers.0: DecoderLayer -> fused_add_rmsnorm", m, strict=True)
+    FakeZero3(m.model.layers[0].post_attention_layernorm, gather=False)
+    ids = torch.randint(0, 320, (1, 4))
+    with pytest.raises(RuntimeError, match=r"post_attention_layernorm.weight is a DeepSpeed ZeRO-3 partition"):
+        m(input_ids=ids)

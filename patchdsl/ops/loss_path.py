@@ -272,14 +272,16 @@ def head_gather(lm: Any) -> str | None:
     return None
 
 
-def unsharded_reason(w: Any) -> str | None:
-    """Why ``w`` (read inside the call that should have gathered it) is not the whole weight."""
+def unsharded_reason(w: Any, name: str = "lm_head.weight", hint: str | None = None) -> str | None:
+    """Why ``w`` (read where it should be whole) is not the whole weight; None when it is."""
     if hasattr(w, "ds_shape") and tuple(w.shape) != tuple(w.ds_shape):
-        return (f"lm_head.weight is a DeepSpeed ZeRO-3 partition of shape {tuple(w.shape)} (whole: "
-                f"{tuple(w.ds_shape)}) where it should have been gathered; is lm_head called by ZeRO-3's hooks?")
+        return (f"{name} is a DeepSpeed ZeRO-3 partition of shape {tuple(w.shape)} (whole: "
+                f"{tuple(w.ds_shape)}) where it should have been gathered; "
+                + (hint or "is lm_head called by ZeRO-3's hooks?"))
     if type(w).__name__ == "DTensor":
-        return ("lm_head.weight is a DTensor (sharded) where it should be whole; shard with fully_shard per "
-                "decoder layer and then the causal LM (or lm_head as its own unit): docs/distributed.md")
+        return (f"{name} is a DTensor (sharded) where it should be whole; " + (hint or
+                "shard with fully_shard per decoder layer and then the causal LM (or lm_head as its own "
+                "unit): docs/distributed.md"))
     return None
 
 
