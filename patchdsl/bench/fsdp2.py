@@ -191,6 +191,7 @@ def run_variant(a, variant: str, rank: int, world: int, dev) -> dict[str, Any]:
 
     run_dtype = "fp64" if variant == "ref64" else a.dtype
     param_dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.float32}[run_dtype]
+    rec: dict[str, Any] = {"variant": variant, "dtype": run_dtype}
     model = _build(a, param_dtype)
     if a.head_unit:
         untie(model)
@@ -198,7 +199,6 @@ def run_variant(a, variant: str, rank: int, world: int, dev) -> dict[str, Any]:
         # float64 activations of a real-size batch would not fit; recomputation does not change values
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         rec["gradient_checkpointing"] = True
-    rec: dict[str, Any] = {"variant": variant, "dtype": run_dtype}
     recorder = None
     handle = None
 
@@ -248,15 +248,6 @@ def run_variant(a, variant: str, rank: int, world: int, dev) -> dict[str, Any]:
     if recorder is not None:
         recorder.remove()
         rec["head_weight_shapes"] = recorder.shapes
-    if handle is not None and not variant.endswith("+compile"):
-        # undo on the sharded model: every patched forward goes, the FSDP2 model still trains
-        handle.undo()
-        inner = model
-        rec["undo_leaves_patched_forwards"] = sum("forward" in m.__dict__ for m in inner.modules())
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.zero_grad(set_to_none=True)
-        rec["loss_after_undo_finite"] = bool(torch.isfinite(out.loss.detach()).item())
     timed = times[2:] if len(times) > 4 else times[1:] or times
     tokens = a.batch * a.seq * world
     rec["losses"] = losses
@@ -266,6 +257,15 @@ def run_variant(a, variant: str, rank: int, world: int, dev) -> dict[str, Any]:
     peaks: list[Any] = [None] * world
     dist.all_gather_object(peaks, peak)
     rec["peak_gib_per_rank"] = peaks
+    if handle is not None and not variant.endswith("+compile"):
+        # undo on the sharded model (after the measurements): every patched forward goes, and the
+        # FSDP2 model still runs a training step
+        handle.undo()
+        rec["undo_leaves_patched_forwards"] = sum("forward" in m.__dict__ for m in model.modules())
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.zero_grad(set_to_none=True)
+        rec["loss_after_undo_finite"] = bool(torch.isfinite(out.loss.detach()).item())
     del model, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
