@@ -36,10 +36,14 @@ def free_port() -> int:
 def launch(nproc: int, argv: list[str], out: Path) -> dict:
     """Run ``python argv`` as ``nproc`` ranks; return the JSON rank 0 wrote to ``out``."""
     port = free_port()
+    # gloo listens on the interface its host name resolves to unless told: keep it on the loopback
+    loopback = next((n for _, n in socket.if_nameindex() if n in ("lo", "lo0")), None)
     procs = []
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        if loopback:
+            env["GLOO_SOCKET_IFNAME"] = loopback
         procs.append(subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs, failed = [], False
