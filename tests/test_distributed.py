@@ -131,6 +131,22 @@ def test_fsdp2_lm_head_as_its_own_unit_with_the_bench_script(tmp_path):
     assert all(k in v["patched"] for k in ("tokens_per_s", "peak_gib_per_rank", "step_ms"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fsdp2_bench_script_on_gpus(tmp_path):
+    """The CUDA path of issue 17's script (NCCL, bf16 mixed precision, float64 reference with
+    checkpointing, inductor) on a tiny Qwen3, on up to two GPUs."""
+    out = tmp_path / "gpu.json"
+    n = min(2, torch.cuda.device_count())
+    doc = launch(n, ["bench/fsdp2_two_gpu.py", "--tiny", "--steps", "3", "--batch", "2", "--seq", "64", "--out", str(out)],
+                 out)
+    assert doc["device"] == "cuda" and doc["world_size"] == n
+    v = doc["variants"]
+    assert v["ref64"]["gradient_checkpointing"] and v["patched"]["refused"] == []
+    assert all(r["ok"] for r in doc["judged"] if r["variant"] == "patched"), doc["judged"]
+    assert all(p is not None and p > 0 for p in v["patched"]["peak_gib_per_rank"])
+
+
 # ---------------------------------------------------------------- accelerate
 def test_accelerate_prepare_plain_with_accumulation_and_fsdp2_plugin(tmp_path):
     out = tmp_path / "acc.json"
