@@ -88,15 +88,21 @@ def compile_probe() -> str | None:
 
 
 # ---------------------------------------------------------------- FSDP2, two processes
-def test_fsdp2_two_processes_patched_trains_like_unpatched(tmp_path):
-    """Per-layer + root fully_shard, tied embeddings, AdamW fp32, 5 steps: patch-then-shard,
-    shard-then-patch and patch-shard-compile all give the unpatched losses, and the fused loss
-    receives the whole (vocab, hidden) head weight, not a shard (vocab/2 rows)."""
-    out = tmp_path / "fsdp2.json"
-    doc = launch(2, ["-m", "patchdsl.bench.fsdp2", "--tiny", "--device", "cpu", "--dtype", "fp32", "--steps", "5",
-                     "--batch", "1", "--seq", "8", "--spec", SPEC, "--record-head", "--out", str(out),
-                     "--variants", "unpatched,patched,shard-then-patch,patched+compile"], out)
-    v = doc["variants"]
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory):
+    """One two-process run for the eager and the compiled checks below: per-layer + root
+    fully_shard, tied embeddings, AdamW fp32, 5 steps; unpatched, patch-then-shard, shard-then-patch
+    and patch-shard-compile, with the lm_head weight shape the fused loss received recorded."""
+    out = tmp_path_factory.mktemp("fsdp2") / "fsdp2.json"
+    return launch(2, ["-m", "patchdsl.bench.fsdp2", "--tiny", "--device", "cpu", "--dtype", "fp32", "--steps", "5",
+                      "--batch", "1", "--seq", "8", "--spec", SPEC, "--record-head", "--out", str(out),
+                      "--variants", "unpatched,patched,shard-then-patch,patched+compile"], out)
+
+
+def test_fsdp2_two_processes_patched_trains_like_unpatched(fsdp2_run):
+    """Patch-then-shard and shard-then-patch give the unpatched losses; the fused loss receives the
+    whole (vocab, hidden) head weight, not a shard (vocab/2 rows); undo on the sharded model works."""
+    v = fsdp2_run["variants"]
     base = v["unpatched"]["losses"]
     assert len(base) == 5 and all(x == x for x in base)
     for name in ("patched", "shard-then-patch"):
@@ -105,14 +111,19 @@ def test_fsdp2_two_processes_patched_trains_like_unpatched(tmp_path):
         assert close(r["losses"], base), (name, r["losses"], base)
         assert r["head_weight_shapes"] == [[512, 64]] * 5, r["head_weight_shapes"]
         assert r["undo_leaves_patched_forwards"] == 0 and r["loss_after_undo_finite"]
-    c = v["patched+compile"]
+
+
+def test_fsdp2_with_torch_compile_on_top(fsdp2_run):
+    """Patch, shard, then torch.compile(backend="aot_eager"): the unpatched losses.  Skipped (with
+    the error) only while compiling a patched model fails even without FSDP2 in this build."""
+    c = fsdp2_run["variants"]["patched+compile"]
     if "error" in c:
         why = compile_probe()
         if why is None:
             pytest.fail(f"torch.compile of the patched model works alone but not under FSDP2:\n{c['traceback']}")
         pytest.skip(f"torch.compile of a patched model is not supported yet here ({why})")
     assert c["compile_backend"] == "aot_eager"
-    assert close(c["losses"], base), (c["losses"], base)
+    assert close(c["losses"], fsdp2_run["variants"]["unpatched"]["losses"])
 
 
 def test_fsdp2_lm_head_as_its_own_unit_with_the_bench_script(tmp_path):
