@@ -29,6 +29,12 @@ from .base import ModuleInfo, Op
 from .common import signature_binder
 from .registry import register
 from .rmsnorm import RMS_FLAGS, rms_kernel_name, rms_key_params
+from .loss_path import unsharded_reason
+
+# post_attention_layernorm's weight is read in the decoder layer's forward, not its own
+NOT_GATHERED_HINT = ("it is read in the decoder layer's forward, where ZeRO-3 does not gather it; keep it "
+                     "persistent (stage3_param_persistence_threshold above its size: the default, 100000, is) "
+                     "or leave fused_add_rmsnorm out")
 
 CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -123,7 +129,10 @@ def build_forward(cls: type, fused: Callable) -> Callable:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         attn_out = self.self_attn(hidden_states=hidden_states, **a)[0]
-        normed, residual = fused(attn_out, residual, self.post_attention_layernorm.weight)
+        w = self.post_attention_layernorm.weight
+        if (why := unsharded_reason(w, "post_attention_layernorm.weight", NOT_GATHERED_HINT)):
+            raise RuntimeError(f"fused_add_rmsnorm: {why}")     # never launch a kernel on a partition
+        normed, residual = fused(attn_out, residual, w)
         return residual + self.mlp(normed)
 
     def forward(self, *args, **kwargs):

@@ -260,6 +260,59 @@ def require_host(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str)
         raise ValueError(f"refused {op} on {type(host).__name__}: {reason}")
 
 
+# --------------------------------------------------------------------------- sharded lm_head
+def head_gather(lm: Any) -> str | None:
+    """Whether ``lm``'s weight is whole only inside ``lm``'s own call, and by whose doing.
+
+    The fused loss runs in the causal LM's forward, outside ``lm_head``'s.  That is fine when the
+    weight is a plain tensor, or when FSDP2 shards it as part of an enclosing unit (``fully_shard``
+    on the causal LM gathers it before the LM's forward).  It is not when something gathers it
+    only around ``lm_head``'s own forward:
+
+    * ``"fsdp2"``: ``lm_head`` is an FSDP2 unit of its own (``fully_shard(model.lm_head)``);
+    * ``"zero3"``: the weight is a DeepSpeed ZeRO-3 partition (``ds_status``/``ds_shape`` set),
+      gathered by ZeRO-3's hooks on the module that owns it.
+
+    Then the loss is computed by :func:`call_as_forward` inside ``lm_head``'s call.
+    """
+    # fully_shard swaps the module's class for a subclass of FSDPModule (no import of torch.distributed)
+    if any(c.__name__ == "FSDPModule" for c in type(lm).__mro__):
+        return "fsdp2"
+    w = getattr(lm, "weight", None)
+    if w is not None and hasattr(w, "ds_status") and hasattr(w, "ds_shape"):
+        return "zero3"
+    return None
+
+
+def unsharded_reason(w: Any, name: str = "lm_head.weight", hint: str | None = None) -> str | None:
+    """Why ``w`` (read where it should be whole) is not the whole weight; None when it is."""
+    if hasattr(w, "ds_shape") and tuple(w.shape) != tuple(w.ds_shape):
+        return (f"{name} is a DeepSpeed ZeRO-3 partition of shape {tuple(w.shape)} (whole: "
+                f"{tuple(w.ds_shape)}) where it should have been gathered; "
+                + (hint or "is lm_head called by ZeRO-3's hooks?"))
+    if type(w).__name__ == "DTensor":
+        return (f"{name} is a DTensor (sharded) where it should be whole; " + (hint or
+                "shard with fully_shard per decoder layer and then the causal LM (or lm_head as its own "
+                "unit): docs/distributed.md"))
+    return None
+
+
+def call_as_forward(module: Any, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` run as ``module``'s forward, through ``module(*args)``, so the hooks that make its
+    parameters whole (FSDP2's unshard/reshard and pre-backward hooks, ZeRO-3's gather/release and
+    gradient hooks) run around it exactly as around ``module``'s own forward."""
+    had = "forward" in module.__dict__
+    prev = module.__dict__.get("forward")
+    module.__dict__["forward"] = fn
+    try:
+        return module(*args)
+    finally:
+        if had:
+            module.__dict__["forward"] = prev
+        else:
+            del module.__dict__["forward"]
+
+
 # --------------------------------------------------------------------------- runtime helpers
 def shift_labels_of(labels: Any, ignore_index: int) -> Any:
     """HF's shift: pad one ignore_index on the right, drop the first label."""
@@ -350,13 +403,26 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
         num_items = extra.get("num_items_in_batch")
         if mode == "linear":
             logits = None
-            w, b = lm.weight, lm.bias
             dev = hidden.device.type
-            if dev != "meta" and torch.is_autocast_enabled(dev):   # lm_head(...) would run in the autocast dtype
-                dt = torch.get_autocast_dtype(dev)
-                w = w.to(dt)
-                b = b.to(dt) if b is not None else None
-            loss = kernels(w.dtype).linear_cross_entropy(hidden, w, b, shift, num_items)
+            autocast = torch.get_autocast_dtype(dev) if dev != "meta" and torch.is_autocast_enabled(dev) else None
+
+            def fused(h, y, n):
+                w, b = lm.weight, lm.bias                # read now: whole here, whoever shards them
+                why = unsharded_reason(w)
+                if why:
+                    raise RuntimeError(f"fused_linear_cross_entropy: {why}")
+                if autocast is not None:                 # lm_head(...) would run in the autocast dtype
+                    w = w.to(autocast)
+                    b = b.to(autocast) if b is not None else None
+                return kernels(w.dtype).linear_cross_entropy(h, w, b, y, n)
+
+            # the weight whole only inside a module's own call (an FSDP2 unit, possibly PEFT's wrapper
+            # around lm_head; a ZeRO-3 partition): run the loss as that module's forward
+            owner = self.lm_head if head_gather(self.lm_head) == "fsdp2" else lm
+            if head_gather(owner):
+                loss = call_as_forward(owner, fused, hidden, shift, num_items)
+            else:
+                loss = fused(hidden, shift, num_items)
         else:
             logits = _apply_head_post(self.lm_head(hidden), self.config, shape)
             loss = kernels(logits.dtype).cross_entropy(logits.reshape(-1, logits.shape[-1]), shift.reshape(-1),

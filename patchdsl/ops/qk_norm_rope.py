@@ -17,6 +17,12 @@ from .common import resolve_auto
 from .registry import register
 from .rope import ROPE_FLAGS, SUPPORTED_DTYPES, attention_reason, rope_geometry
 
+# q_norm / k_norm are read from the attention's forward, not their own: a sharder that gathers a
+# weight only inside its owner's forward must leave these (head_dim elements) whole
+NOT_GATHERED_HINT = ("it is read in the attention's forward, where ZeRO-3 does not gather it; keep it persistent "
+                     "(stage3_param_persistence_threshold above its size: the default, 100000, is) or leave "
+                     "fused_qk_norm_rope out")
+
 
 def _norm_facts(f: Mapping[str, Any], flags: Mapping[str, Any]) -> tuple[float, float, str]:
     n = f.get("qk_norm") or {}
@@ -122,6 +128,7 @@ class FusedQKNormRope(Op):
     def make_forward(self, module, kernels, flags, info):
         from .attention_forward import analyse, build_forward, reference_rmsnorm, reference_rope
         from .kinds import unwrap
+        from .loss_path import unsharded_reason
 
         an = analyse(type(module))
         if isinstance(an, str):
@@ -130,6 +137,10 @@ class FusedQKNormRope(Op):
 
         def qk(self, q, k, cos, sin):
             wq, wk = unwrap(self.q_norm).weight, unwrap(self.k_norm).weight
+            for name, w in (("q_norm", wq), ("k_norm", wk)):
+                why = unsharded_reason(w, f"{name}.weight", NOT_GATHERED_HINT)
+                if why:       # never launch a kernel on a partition (it would read out of bounds)
+                    raise RuntimeError(f"fused_qk_norm_rope: {why}")
             if cos.requires_grad or sin.requires_grad or str(q.dtype) not in SUPPORTED_DTYPES or q.dtype != k.dtype:
                 # learned cos/sin or an unsupported dtype: the same arithmetic in plain torch
                 return reference_rope(reference_rmsnorm(q, wq, eps, offset, casting),

@@ -295,6 +295,13 @@ def _forward_slot(obj: Any) -> tuple[str | None, str | None]:
                   f"(accelerate hooks are kept)")
 
 
+def unsharded_name(class_name: str) -> str:
+    """The class name without the ``FSDP`` prefix of the subclass FSDP2's ``fully_shard`` swaps in
+    (``FSDPQwen3ForCausalLM`` -> ``Qwen3ForCausalLM``): a plan made before sharding fits after it."""
+    return class_name[4:] if class_name.startswith("FSDP") and class_name[4:5].isupper() else class_name
+
+
+
 def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool = True,
           target: str | None = None, log: Callable[[str], None] | None = None) -> PatchHandle:
     """Patch ``model`` according to a PatchPlan, a plan file (``*.json`` path, or its parsed JSON
@@ -305,6 +312,10 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
     instead, with nothing patched.
     """
     target = target or detect_target()
+    partitioned = next((n for n, p in model.named_parameters() if hasattr(p, "ds_shape")), None)
+    if partitioned is not None:
+        raise PatchError(f"the model's weights are DeepSpeed ZeRO-3 partitions (e.g. {partitioned}): patch "
+                         "before deepspeed.initialize and outside deepspeed.zero.Init (docs/distributed.md)")
     if isinstance(plan_or_spec, dict):                      # a plan file's JSON: checked like a fresh plan
         plan_or_spec = PatchPlan.from_json(plan_or_spec)
     elif isinstance(plan_or_spec, (str, os.PathLike)) and str(plan_or_spec).endswith(".json"):
@@ -315,7 +326,7 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
         plan_or_spec = PatchPlan.loads(text)
     fresh = not isinstance(plan_or_spec, PatchPlan)
     plan = make_plan(plan_or_spec, model, target=target) if fresh else plan_or_spec
-    if plan.model_class != type(model).__name__:
+    if unsharded_name(plan.model_class) != unsharded_name(type(model).__name__):
         raise PatchError(f"the plan was made for {plan.model_class}, not {type(model).__name__}")
     if plan.target != target:
         raise PatchError(f"the plan's kernels target {plan.target}, but this process runs {target} kernels; "
