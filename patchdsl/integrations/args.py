@@ -79,9 +79,11 @@ def validate_kpatch_fields(args: Any) -> None:
         raise ValueError("kpatch_spec and kpatch_from_liger are both set: give a spec, or translate the Liger "
                          "config, not both")
     if args.kpatch_spec:
+        from ..check import check_spec
         from ..syntax import load_spec
 
-        load_spec(args.kpatch_spec)          # a missing file or a syntax error fails here, located
+        # a missing file, a syntax error, an unknown op or flag fails here, located (no model needed)
+        check_spec(load_spec(args.kpatch_spec))
 
 
 def kpatch_enabled(args: Any) -> bool:
