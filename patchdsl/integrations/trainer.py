@@ -161,9 +161,20 @@ def _trl_fused_head(model: Any) -> bool:
     """True when TRL's ``add_fused_lm_head`` replaced this model's forward (SFTTrainer does, from TRL 1.x):
     TRL then computes the loss itself from the backbone and lm_head's weight, bypassing the causal LM's
     forward, so a patchdsl loss op on lm_head would never run (and would hide TRL's outputs)."""
-    fwd = getattr(model, "__dict__", {}).get("forward")
-    code = getattr(getattr(fwd, "__func__", fwd), "__code__", None)
-    return code is not None and "fused_lm_head" in code.co_varnames
+    d = getattr(model, "__dict__", {})
+    todo = [d.get("forward"), d.get("_original_forward")]     # accelerate's fp32-output wrapper keeps the original
+    seen = 0
+    while todo and seen < 16:
+        fwd = todo.pop()
+        if fwd is None:
+            continue
+        seen += 1
+        fn = getattr(fwd, "__func__", fwd)
+        code = getattr(fn, "__code__", None)
+        if code is not None and "fused_lm_head" in code.co_varnames:
+            return True
+        todo.append(getattr(fn, "__wrapped__", None))           # functools.wraps chains (accelerate, TRL)
+    return False
 
 
 def _model_dtype_names(model: Any, training_args: Any) -> tuple[str, ...]:
