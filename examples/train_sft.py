@@ -15,11 +15,10 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-import patchdsl                                                         # patchdsl (1/4)
-# (imported before torch/transformers: on a machine without a GPU it switches Triton to its interpreter)
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 
+import patchdsl                                                         # patchdsl (1/4)
 from patchdsl.models import config_from_dict, shipped_config_path, tiny_config
 
 
