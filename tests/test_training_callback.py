@@ -169,12 +169,19 @@ def test_resume_from_checkpoint(tmp_path):
     model = tiny_model("qwen3", vocab_size=VOCAB, seed=5)
     spy = Spy(lambda m: m.model.norm)
     cb = patchdsl.PatchdslCallback.from_args(patchdsl.PatchdslArguments(kpatch_spec=spec))
+    start = []
+
+    class Weights(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kw):
+            start.append(model.model.norm.weight.detach().clone())
+
     trainer = transformers.Trainer(model=model, args=targs(tmp_path / "run", max_steps=3, save_strategy="steps",
                                                            save_steps=2),
-                                   train_dataset=data(pad=True), callbacks=[cb, spy])
+                                   train_dataset=data(pad=True), callbacks=[cb, spy, Weights()])
     trainer.train(resume_from_checkpoint=True)
     assert trainer.state.global_step == 3 and spy.steps == [True]
-    torch.testing.assert_close(model.model.norm.weight.detach(), model.model.norm.weight.detach())
+    # the patched model continued from the checkpoint's weights (those the first run ended with)
+    torch.testing.assert_close(start[0], first.model.model.norm.weight.detach(), rtol=0, atol=0)
     logs = patchdsl_logs(trainer)
     assert [e["step"] for e in logs] == [0, 2]           # the resumed history, then this run's entry
     assert first.state.global_step == 2

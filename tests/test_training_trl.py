@@ -38,7 +38,9 @@ def test_sft_trainer_with_the_callback(tmp_path):
     model = tiny_model("qwen3", vocab_size=VOCAB)
     seen = []
 
-    class Spy(patchdsl.PatchdslCallback.__mro__[1]):
+    from transformers import TrainerCallback
+
+    class Spy(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kw):
             seen.append("forward" in model.model.layers[1].mlp.__dict__)
 

@@ -35,7 +35,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from ..syntax import SpecError, load_spec, parse_spec
 from ..syntax.ast import Spec
