@@ -270,3 +270,20 @@ def test_patch_for_training_in_a_plain_loop():
     assert "forward" not in model.__dict__
     off = patchdsl.patch_for_training(model, patchdsl.PatchdslArguments())
     assert off.patched == [] and not off.active
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_shipped_spec_bf16_accumulation_matches_unpatched(tmp_path):
+    """On the GPU: the full shipped qwen3 spec, bf16 mixed precision, gradient accumulation 2 and
+    gradient checkpointing, 5 steps; losses within the bf16 tolerances of docs/verify.md's peers
+    (atol 1e-2, rtol 5e-2)."""
+    kw = dict(use_cpu=False, bf16=True, gradient_accumulation_steps=2, per_device_train_batch_size=1,
+              gradient_checkpointing=True, max_steps=5)
+    ref = _run(tmp_path, None, "ref", **kw)
+    pat = _run(tmp_path, "qwen3", "pat", **kw)
+    a, b = losses(ref), losses(pat)
+    assert len(a) == len(b) == 5
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=5e-2, atol=1e-2)
+    entry = patchdsl_logs(pat)[0]
+    assert entry["patchdsl_sites_refused"] == 0 and "2/2 mlp patched" in entry["patchdsl"]
