@@ -148,7 +148,8 @@ def test_losses_match_unpatched(tmp_path, spec, kw):
     a, b = losses(ref), losses(pat)
     assert len(a) == len(b) == 5
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=2e-5, atol=1e-6)
-    assert patchdsl_logs(pat)[0]["patchdsl_sites_refused"] == 0
+    entry = patchdsl_logs(pat)[0]
+    assert entry["patchdsl_sites_refused"] == 0 and entry["patchdsl_sites_patched"] == 1
 
 
 def test_seq2seq_trainer(tmp_path):
