@@ -6,14 +6,49 @@
     with patchdsl.apply(plan, model) as handle:
         ...train...
 
-Heavy modules (torch, triton, transformers) are imported on first use.
+Heavy modules (torch, triton, transformers) are imported on first use: ``PatchdslArguments``,
+``TrainingArguments``, ``PatchdslCallback`` and ``patch_for_training`` are resolved by the
+module-level ``__getattr__`` below, so ``import patchdsl`` does not import transformers.
+
+In a training script (see docs/training.md):
+
+    parser = HfArgumentParser((TrainingArguments, patchdsl.PatchdslArguments))
+    training_args, kpatch_args = parser.parse_args_into_dataclasses()
+    trainer = Trainer(..., callbacks=[patchdsl.PatchdslCallback.from_args(kpatch_args)])
 """
 
 from . import _interp  # noqa: F401  (must run before anything imports triton)
 from ._version import __version__
 from .syntax import SpecError, load_spec, parse_spec
 
-__all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply", "unpatch", "verify"]
+__all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply", "unpatch", "verify",
+           "PatchdslArguments", "TrainingArguments", "PatchdslCallback", "patch_for_training"]
+
+_LAZY = {
+    "PatchdslArguments": ("patchdsl.integrations.args", "PatchdslArguments"),
+    "PatchdslCallback": ("patchdsl.integrations.trainer", "PatchdslCallback"),
+    "patch_for_training": ("patchdsl.integrations.trainer", "patch_for_training"),
+}
+
+
+def __getattr__(name: str):
+    if name == "TrainingArguments":
+        from .integrations.args import training_arguments_class
+
+        value = training_arguments_class()
+    elif name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        value = getattr(importlib.import_module(mod), attr)
+    else:
+        raise AttributeError(f"module 'patchdsl' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 def plan(spec, model, **kwargs):

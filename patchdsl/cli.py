@@ -363,6 +363,32 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
     sys.exit(0 if report.passed else 1)
 
 
+# ---------------------------------------------------------------- translate
+@main.command()
+@click.option("--liger", "liger", metavar="JSON|@FILE",
+              help="Liger-Kernel's liger_kernel_config as JSON ('{\"rope\": true, ...}'), 'true' for "
+                   "use_liger_kernel with Liger's defaults, or @file (JSON or YAML; a training config's "
+                   "use_liger_kernel / liger_kernel_config keys are read).")
+@click.option("--model", "-m", help="Hub id, local folder, or path to config.json (the spec is written for it).")
+def translate(liger: str | None, model: str | None) -> None:
+    """Print the spec equivalent to another tool's kernel settings (e.g. --liger) for --model."""
+    if liger is None:
+        raise UsageFailure("say what to translate: --liger JSON|@FILE")
+    if model is None:
+        raise UsageFailure("--liger needs --model M: the spec depends on the model's modules")
+    from .index import build_index
+    from .integrations.liger import parse_liger_argument, translate_liger
+
+    use, cfg = parse_liger_argument(liger)
+    loaded = _load_model(model, meta=True, log=lambda m: None)
+    t = translate_liger(cfg, build_index(loaded.model), use_liger_kernel=use)
+    if t.problems:
+        for pr in t.problems:
+            click.echo(f"error: {pr}", err=True)
+        _fail("hint: turn those keys off (false) in the Liger config; patchdsl does not drop them silently")
+    click.echo(t.text, nl=False)
+
+
 # ---------------------------------------------------------------- bench
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
               add_help_option=False)
