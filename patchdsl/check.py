@@ -11,7 +11,7 @@ from typing import Any
 
 from .ops.base import FlagTypeError, Op
 from .ops.registry import KIND_NAMES, get_op, ops
-from .syntax.ast import Flag, Rule, Span, Spec
+from .syntax.ast import Arg, Flag, Rule, Span, Spec
 from .syntax.errors import SpecError, did_you_mean
 from .syntax.selectors import is_glob
 
@@ -52,10 +52,21 @@ def _op_or_error(name: str, span: Span) -> Op:
     return op
 
 
-def _typed_flags(op: Op, flags: tuple[Flag, ...]) -> list[tuple[str, FlagValue]]:
+def _positional(op: Op, args: tuple[Arg, ...]) -> tuple[Flag, ...]:
+    """Positional values as the flags they stand for (``hub("org/repo", "Layer")``: repo, layer)."""
+    if args and not op.positional:
+        raise SpecError(f"{op.name} takes no positional values", args[0].span,
+                        hint=f"write flags as name=value" + (f" ({', '.join(f.name for f in op.flags)})" if op.flags else ""))
+    if len(args) > len(op.positional):
+        raise SpecError(f"{op.name} takes at most {len(op.positional)} positional value(s) "
+                        f"({', '.join(op.positional)})", args[len(op.positional)].span)
+    return tuple(Flag(name, a.value, a.span) for name, a in zip(op.positional, args))
+
+
+def _typed_flags(op: Op, flags: tuple[Flag, ...], args: tuple[Arg, ...] = ()) -> list[tuple[str, FlagValue]]:
     out: list[tuple[str, FlagValue]] = []
     seen: dict[str, Span] = {}
-    for fl in flags:
+    for fl in _positional(op, args) + tuple(flags):
         spec = op.flag(fl.name)
         if spec is None:
             names = [f.name for f in op.flags]
@@ -69,6 +80,7 @@ def _typed_flags(op: Op, flags: tuple[Flag, ...]) -> list[tuple[str, FlagValue]]
             value = spec.coerce(fl.value)
         except FlagTypeError as e:
             raise SpecError(str(e), fl.span, hint=spec.doc) from None
+        value = op.locate(fl.name, value, fl.span.file)
         out.append((fl.name, FlagValue(value, fl.span.short)))
     return out
 
@@ -82,7 +94,7 @@ def _check_kinds(rule: Rule, op: Op) -> None:
             if close and a.lower() in {k.lower() for k in KIND_NAMES}:
                 raise SpecError(f"unknown kind '{a}'", rule.class_pattern.span, hint=close)
     bad = [k for k in kinds if k not in op.kinds]
-    if bad:
+    if bad and not op.any_kind:
         raise SpecError(
             f"{op.name} replaces {' or '.join(op.kinds)} modules, not {' or '.join(bad)}",
             rule.class_pattern.span, hint=f"write '{op.kinds[0]} -> {op.name}'")
@@ -98,5 +110,5 @@ def check_spec(spec: Spec) -> CheckedSpec:
     for r in spec.rules:
         op = _op_or_error(r.op.name, r.op.span)
         _check_kinds(r, op)
-        rules.append(CheckedRule(r, op.name, tuple(_typed_flags(op, r.op.flags))))
+        rules.append(CheckedRule(r, op.name, tuple(_typed_flags(op, r.op.flags, r.op.args))))
     return CheckedSpec(spec, tuple(rules), tuple(defaults))

@@ -131,7 +131,9 @@ def print_plan(p, console=None) -> None:
     for col in ("path", "class", "op", "flags", "rule", "matched by"):
         t.add_column(col, overflow="fold")
     for s in p.sites:
-        t.add_row(s.path or "<model>", s.cls, s.op, _fmt_flags(s), ", ".join(s.rules), s.matched_by)
+        op = f"{s.op}\n  from {s.source}" if s.source and s.op != "hub" else (s.source if s.source else s.op)
+        flags = _fmt_flags(s) if s.op != "hub" else ""    # hub's flags are its source, shown in the op column
+        t.add_row(s.path or "<model>", s.cls, op, flags, ", ".join(s.rules), s.matched_by)
         for c in s.covers:
             t.add_row(f"  {c}", p.infos[c].cls if c in p.infos else "", f"(fused into {s.op})", "", s.rule, "covered")
     console.print(t)
@@ -139,7 +141,11 @@ def print_plan(p, console=None) -> None:
         console.print(f"{patched}/{present} {name} patched")
     for u in p.unmatched_optional:
         console.print(f"optional rule matched nothing: {u}")
-    console.print(f"{len(p.sites)} site(s), {len(p.kernel_keys())} kernel(s) to generate")
+    if p.attention is not None:
+        console.print(f"attention implementation: {p.attention.impl} (this model instance only; {p.attention.span})")
+    ext = p.external_sites()
+    console.print(f"{len(p.sites)} site(s), {len(p.kernel_keys())} kernel(s) to generate"
+                  + (f", {len(ext)} site(s) with external kernels" if ext else ""))
 
 
 @main.command()

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 from .check import CheckedSpec, check_spec
 from .codegen.keys import KernelKey
 from .index import ModelIndex, build_index
+from .ops.attention_impl import AttentionChoice, choose_attention
 from .ops.base import ModuleInfo
 from .ops.registry import get_op
 from .select import explain_no_match, select
@@ -44,6 +45,7 @@ class Site:
     host: str                     # module whose forward is replaced
     keys: tuple[KernelKey, ...]   # one per dtype in the plan
     covers: tuple[str, ...] = ()  # child module paths fused into this site
+    source: str = ""              # external ops: where the kernel comes from, with its pin
 
     @property
     def flag_dict(self) -> dict[str, Any]:
@@ -56,13 +58,14 @@ class Site:
         return {"path": self.path, "class": self.cls, "op": self.op, "flags": dict(self.flags),
                 "flag_sources": dict(self.flag_sources), "rule": self.rule, "rules": list(self.rules),
                 "matched_by": self.matched_by, "host": self.host, "covers": list(self.covers),
-                "kernels": [k.to_json() for k in self.keys]}
+                "source": self.source, "kernels": [k.to_json() for k in self.keys]}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Site":
         return cls(d["path"], d["class"], d["op"], tuple(d["flags"].items()), tuple(d["flag_sources"].items()),
                    d["rule"], tuple(d["rules"]), d["matched_by"], d["host"],
-                   tuple(KernelKey.from_json(k) for k in d["kernels"]), tuple(d.get("covers", ())))
+                   tuple(KernelKey.from_json(k) for k in d["kernels"]), tuple(d.get("covers", ())),
+                   d.get("source", ""))
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class PatchPlan:
     unmatched_optional: tuple[str, ...] = ()
     totals: tuple[tuple[str, int, int], ...] = ()   # (module name, patched, present)
     infos: Mapping[str, ModuleInfo] = field(default_factory=dict, compare=False, repr=False)
+    attention: AttentionChoice | None = None        # the ``attention`` directive, per model instance
 
     def __iter__(self):
         return iter(self.sites)
@@ -87,11 +91,16 @@ class PatchPlan:
         return next((s for s in self.sites if s.path == path), None)
 
     def kernel_keys(self) -> list[KernelKey]:
+        """The generated kernels the plan needs (external ops load theirs: see ``external_sites``)."""
         seen: dict[KernelKey, None] = {}
         for s in self.sites:
             for k in s.keys:
-                seen.setdefault(k, None)
+                if k.template:
+                    seen.setdefault(k, None)
         return list(seen)
+
+    def external_sites(self) -> list[Site]:
+        return [s for s in self.sites if s.source]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +109,7 @@ class PatchPlan:
             "sites": [s.to_json() for s in self.sites],
             "unmatched_optional": list(self.unmatched_optional),
             "totals": [{"name": n, "patched": p, "present": t} for n, p, t in self.totals],
+            "attention": self.attention.to_json() if self.attention else None,
             "modules": {p: {"class": i.cls, "bases": list(i.bases), "kinds": {k: dict(v) for k, v in i.kinds.items()},
                             "dtype": i.dtype, "children": list(i.children)}
                         for p, i in self.infos.items()},
@@ -114,7 +124,8 @@ class PatchPlan:
                  for p, m in d.get("modules", {}).items()}
         return cls(d["spec"], d["model_class"], d["model_type"], d["target"], tuple(d["dtypes"]),
                    tuple(Site.from_json(s) for s in d["sites"]), tuple(d["unmatched_optional"]),
-                   tuple((t["name"], t["patched"], t["present"]) for t in d["totals"]), infos)
+                   tuple((t["name"], t["patched"], t["present"]) for t in d["totals"]), infos,
+                   AttentionChoice.from_json(d["attention"]) if d.get("attention") else None)
 
 
 def _leaf(path: str) -> str:
@@ -180,6 +191,9 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         hosts[host] = path
         flags = {k: v.value for k, v in st["flags"].items()}
         sources = {k: v.source for k, v in st["flags"].items()}
+        bad = op.validate(flags)
+        if bad:
+            raise SpecError(f"{path}: {bad}", st["span"])
         minfo = info.with_host(index.infos.get(host))
         keys = []
         for dt in dts:
@@ -187,7 +201,8 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
             keys.append(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
         covers = tuple(c for c, by in covered.items() if by == path)
         sites.append(Site(path, info.cls, op.name, tuple(flags.items()), tuple(sources.items()),
-                          st["rules"][0], tuple(st["rules"]), st["how"], host, tuple(keys), covers))
+                          st["rules"][0], tuple(st["rules"]), st["how"], host, tuple(keys), covers,
+                          op.source(keys[0].param_dict) if keys else ""))
     # totals: per leaf name, patched (directly or fused) / present
     present = Counter(_leaf(i.path) for i in index if i.path)
     patched = Counter(_leaf(s.path) for s in sites)
@@ -197,8 +212,33 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         [_leaf(s.path) for s in sites] + [_leaf(c) for c in covered]))
     used = set(order) | set(covered) | {s.host for s in sites}
     infos = {p: index.infos[p] for p in index.infos if p in used}
+    attention = choose_attention(spec.attention) if spec.attention is not None else None
     return PatchPlan(spec.path, index.model_class, index.model_type, target, dts, tuple(sites),
-                     tuple(unmatched), totals, infos)
+                     tuple(unmatched), totals, infos, attention)
+
+
+def check_available(checked: CheckedSpec, plan: PatchPlan, model_cls: type | None = None) -> None:
+    """Raise a SpecError naming the site (and its rule) whose kernel cannot be had on this machine:
+    an external op whose package, GPU or files are missing, an attention implementation that
+    cannot run here.  Not pure: it looks at installed packages, the device and the file system."""
+    spans = {cr.rule.span.short: cr.rule for cr in checked.rules}
+    said: dict[tuple, str | None] = {}
+    for s in plan.sites:
+        op = get_op(s.op)
+        if not op.external:
+            continue
+        for k in s.keys:
+            key = (s.op, k.params)
+            if key not in said:
+                said[key] = op.unavailable(k.param_dict)
+            if said[key]:
+                rule = spans.get(s.rule)
+                raise SpecError(f"{s.path}: {s.source or s.op} cannot be used here: {said[key]}",
+                                rule.op.span if rule is not None else None)
+    if plan.attention is not None:
+        why = plan.attention.unavailable(plan.target, model_cls)
+        if why:
+            raise SpecError(f"attention {plan.attention.impl} cannot run here: {why}", checked.spec.attention.span)
 
 
 def plan(spec: Spec | str, model: Any, *, target: str | None = None,
@@ -212,4 +252,7 @@ def plan(spec: Spec | str, model: Any, *, target: str | None = None,
         from .codegen.env import target as _target
         target = _target()
     index = model if isinstance(model, ModelIndex) else build_index(model)
-    return plan_index(check_spec(spec), index, target=target, dtypes=dtypes)
+    checked = check_spec(spec)
+    p = plan_index(checked, index, target=target, dtypes=dtypes)
+    check_available(checked, p, None if isinstance(model, ModelIndex) else type(model))
+    return p

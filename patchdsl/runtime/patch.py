@@ -42,7 +42,9 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
         mod = cache.get(dt)
         if mod is None:
             params = op.key_params(info, flags, dtype_name(dt), target)
-            mod = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+            # an external op loads its third-party kernel; a generated one is rendered and imported
+            mod = op.load(params) if op.external else load_kernel(
+                KernelKey.make(op.name, op.template, op.kernel_name(params), params))
             cache[dt] = mod
         return mod
 
@@ -145,6 +147,10 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                 _set(handle, obj, attr, value)
             _set(handle, host, SITE_ATTR, f"{site.op} from {site.rule}")
             handle.patched.append(site.path)
+        if plan.attention is not None:
+            # the model's attention implementation, on this instance only (see ops/attention_impl.py)
+            for obj, attr, value in plan.attention.install(model):
+                _set(handle, obj, attr, value)
     except BaseException:
         handle.undo()
         raise
