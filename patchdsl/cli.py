@@ -328,6 +328,33 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
     sys.exit(0 if report.passed else 1)
 
 
+# ---------------------------------------------------------------- translate
+@main.command()
+@click.option("--kernel-mapping", "kernel_mapping", type=click.Path(dir_okay=False),
+              help="A transformers KernelConfig kernel_mapping as JSON: {\"RMSNorm\": \"org/repo:Layer\", ...}.")
+@click.option("--model", "-m", help="Hub id, local folder, or path to config.json (the model the mapping is for).")
+@click.option("--device", default="cuda", show_default=True,
+              help="Which entry of per-device mapping values to take (kernelize uses the model's device).")
+def translate(kernel_mapping, model, device) -> None:
+    """Print the spec equivalent to another tool's kernel configuration."""
+    if kernel_mapping:
+        from .translate import MappingError, load_mapping, translate as run_translate
+
+        if not model:
+            raise UsageFailure("--kernel-mapping needs --model (the layer names are looked up on its classes)")
+        try:
+            mapping = load_mapping(kernel_mapping)
+        except (OSError, ValueError) as e:
+            raise UsageFailure(f"cannot read {kernel_mapping}: {e}") from None
+        loaded = _load_model(model, meta=True)
+        try:
+            click.echo(run_translate(mapping, loaded.model, device=device, source=kernel_mapping), nl=False)
+        except MappingError as e:
+            raise UsageFailure(f"{kernel_mapping}: {e}") from None
+        return
+    raise UsageFailure("nothing to translate: pass --kernel-mapping FILE.json --model M")
+
+
 # ---------------------------------------------------------------- bench
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
               add_help_option=False)

@@ -81,7 +81,7 @@ def load_layer(params: Mapping[str, Any]) -> Any:
             raise LookupError(f"the kernel at {where} defines no `layers` module")
         got = getattr(layers, params["layer"], None)
         if got is None:
-            names = sorted(n for n in dir(layers) if not n.startswith("_"))
+            names = sorted(n for n, v in vars(layers).items() if isinstance(v, type) and not n.startswith("_"))
             raise LookupError(f"the kernel at {where} has no layer {params['layer']!r} "
                               f"(its layers: {', '.join(names) or 'none'})")
         _LOADED[key] = got
@@ -213,3 +213,31 @@ class HubLayer(Op):
 
 
 register(HubLayer())
+
+
+def write_kernel_repo(root: str | Path, name: str, layers_source: str, *, version: int = 1,
+                      backend: str = "cpu") -> Path:
+    """Lay out a local kernel repository the way the Hub does (for tests and vendoring)::
+
+        <root>/build/torch-universal/metadata.json
+        <root>/build/torch-universal/<package>/__init__.py    (from . import layers)
+        <root>/build/torch-universal/<package>/layers.py      (layers_source)
+
+    ``name`` is the kernel's name (lowercase letters, digits, dashes); the package is its
+    underscore form.  The ``kernels`` library identifies a loaded kernel by the metadata ``id``,
+    which is derived here from the name and a hash of ``layers_source`` so two repositories
+    with different code never share a module.  Returns ``root``.
+    """
+    import json
+
+    root = Path(root)
+    pkg = name.replace("-", "_")
+    variant = root / "build" / "torch-universal"
+    (variant / pkg).mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(layers_source.encode()).hexdigest()[:12]
+    (variant / "metadata.json").write_text(json.dumps({
+        "id": f"{pkg}_{digest}", "name": name, "version": version, "license": "apache-2.0",
+        "python-depends": [], "backend": {"type": backend}}, indent=2))
+    (variant / pkg / "__init__.py").write_text("from . import layers\n")
+    (variant / pkg / "layers.py").write_text(layers_source)
+    return root
