@@ -217,15 +217,21 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
                      tuple(unmatched), totals, infos, attention)
 
 
-def check_available(checked: CheckedSpec, plan: PatchPlan, model_cls: type | None = None) -> None:
+def check_available(checked: CheckedSpec, plan: PatchPlan, model_cls: type | None = None) -> PatchPlan:
     """Raise a SpecError naming the site (and its rule) whose kernel cannot be had on this machine:
     an external op whose package, GPU or files are missing, an attention implementation that
-    cannot run here.  Not pure: it looks at installed packages, the device and the file system."""
+    cannot run here.  Returns the plan with each external site's source as resolved here (a local
+    repository's content hash, the commit a Hub pin resolved to).  Not pure: it looks at installed
+    packages, the device and the file system."""
+    from dataclasses import replace
+
     spans = {cr.rule.span.short: cr.rule for cr in checked.rules}
     said: dict[tuple, str | None] = {}
+    sites = []
     for s in plan.sites:
         op = get_op(s.op)
         if not op.external:
+            sites.append(s)
             continue
         for k in s.keys:
             key = (s.op, k.params)
@@ -235,10 +241,12 @@ def check_available(checked: CheckedSpec, plan: PatchPlan, model_cls: type | Non
                 rule = spans.get(s.rule)
                 raise SpecError(f"{s.path}: {s.source or s.op} cannot be used here: {said[key]}",
                                 rule.op.span if rule is not None else None)
+        sites.append(replace(s, source=op.resolved_source(s.keys[0].param_dict)) if s.keys else s)
     if plan.attention is not None:
         why = plan.attention.unavailable(plan.target, model_cls)
         if why:
             raise SpecError(f"attention {plan.attention.impl} cannot run here: {why}", checked.spec.attention.span)
+    return replace(plan, sites=tuple(sites))
 
 
 def plan(spec: Spec | str, model: Any, *, target: str | None = None,
@@ -254,5 +262,4 @@ def plan(spec: Spec | str, model: Any, *, target: str | None = None,
     index = model if isinstance(model, ModelIndex) else build_index(model)
     checked = check_spec(spec)
     p = plan_index(checked, index, target=target, dtypes=dtypes)
-    check_available(checked, p, None if isinstance(model, ModelIndex) else type(model))
-    return p
+    return check_available(checked, p, None if isinstance(model, ModelIndex) else type(model))

@@ -93,7 +93,8 @@ def test_hub_layer_plans_applies_and_undoes(tmp_path):
     p = patchdsl.plan(parse_spec(hub_spec(repo)), model, dtypes=("fp32",))
     hub_sites = [s for s in p.sites if s.op == "hub"]
     assert [s.path for s in hub_sites] == ["model.layers.0.input_layernorm", "model.layers.1.input_layernorm", "model.norm"]
-    assert all(s.source == f"local {repo} layer TinyRMSNorm" for s in hub_sites)
+    assert all(s.source.startswith(f"local {repo} layer TinyRMSNorm, {repo}/build/torch-universal (sha256 ")
+               for s in hub_sites)       # the pin of a local repository: the hash of the files that load
     assert p.kernel_keys() and all(k.op == "fused_swiglu" for k in p.kernel_keys())   # nothing generated for hub
     assert PatchPlan.from_json(p.to_json()).sites == p.sites
     other = tiny_qwen3(layers=2)()
@@ -109,7 +110,7 @@ def test_hub_relative_path_is_relative_to_the_spec_file(tmp_path):
     spec_file = tmp_path / "s.kpatch"
     spec_file.write_text('model.norm: RMSNorm -> hub("./vendor/tiny", "TinyRMSNorm")\n')
     p = patchdsl.plan(patchdsl.load_spec(spec_file), tiny_qwen3(layers=1)())
-    assert p.site("model.norm").source == f"local {(tmp_path / 'vendor' / 'tiny').resolve()} layer TinyRMSNorm"
+    assert p.site("model.norm").source.startswith(f"local {(tmp_path / 'vendor' / 'tiny').resolve()} layer TinyRMSNorm")
 
 
 def test_verify_passes_for_a_correct_hub_layer_and_names_the_wrong_one(tmp_path):
@@ -224,6 +225,61 @@ def test_liger_missing_package_message(monkeypatch):
     assert "model.layers.0.mlp" in str(e.value) and "pip install liger-kernel" in str(e.value)
 
 
+class ReferenceLiger:
+    """liger_kernel.transformers.functional's signatures and layouts, computed in plain torch: the
+    Liger adapters (argument order, (batch, heads, seq, dim) RoPE layout, loss reductions) are
+    checked on the CPU against it; ``rope_bug`` rotates the wrong way."""
+
+    def __init__(self, rope_bug=False):
+        self.bug = rope_bug
+
+    def liger_rms_norm(self, X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
+        x = X.float()
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return (W + offset) * y.to(X.dtype) if casting_mode == "llama" else (y * (W.float() + offset)).to(X.dtype)
+
+    def liger_swiglu(self, a, b):
+        return torch.nn.functional.silu(a) * b
+
+    def liger_rope(self, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+        if self.bug:
+            sin = -sin          # rotates the wrong way
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    def liger_cross_entropy(self, input, target, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                            lse_square_scale=0.0, **kw):
+        return torch.nn.functional.cross_entropy(input.float(), target, ignore_index=ignore_index,
+                                                 reduction=reduction, label_smoothing=label_smoothing)
+
+    def liger_fused_linear_cross_entropy(self, input, weight, target, bias=None, ignore_index=-100,
+                                         reduction="mean", softcap=None, **kw):
+        logits = torch.nn.functional.linear(input, weight, bias).float()
+        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+
+@pytest.mark.parametrize("rope_bug", [False, True])
+def test_liger_adapters_against_a_reference_functional(monkeypatch, rope_bug):
+    import patchdsl.ops.liger as liger
+
+    monkeypatch.setattr(liger, "_functional", lambda: ReferenceLiger(rope_bug))
+    monkeypatch.setattr(liger.LigerOp, "unavailable", lambda self, params: None)     # runs on the CPU here
+    if rope_bug:
+        report = patchdsl.verify("*.self_attn: Attention -> liger.rope\n", tiny_qwen3(layers=1), dtype="fp32",
+                                 batch=1, seq=8, device=DEVICE)
+        assert report.failed_sites() == ["model.layers.0.self_attn"]
+        return
+    spec = LIGER_SPEC + ("*.self_attn: Attention -> liger.rope\n"
+                         "lm_head: Linear -> liger.fused_linear_cross_entropy\n")
+    report = patchdsl.verify(spec, tiny_qwen3(layers=1), dtype="fp32", batch=2, seq=8, device=DEVICE)
+    assert report.passed, report.verdict
+    assert len(report.sites) == 6
+    ce = patchdsl.verify("lm_head: Linear -> liger.cross_entropy\n", tiny_qwen3(layers=1), dtype="fp32", batch=2,
+                         seq=8, device=DEVICE)
+    assert ce.passed, ce.verdict
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="Liger-Kernel needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -296,7 +352,9 @@ def test_translated_spec_patches_what_kernelize_replaces(tmp_path):
     # what kernelize does once the classes carry transformers' layer names (transformers sets them
     # when its kernels integration is active; it is not with this kernels version, so set them here)
     classes = {type(m) for path, m in model.named_modules() if path in names}
-    saved = {c: c.__dict__.get("kernel_layer_name") for c in classes}
+    attrs = ("kernel_layer_name", "kernel_condition")
+    missing = object()
+    saved = {(c, a): c.__dict__.get(a, missing) for c in classes for a in attrs}
     kz = tiny_qwen3(layers=2)()
     try:
         for c in classes:
@@ -305,12 +363,12 @@ def test_translated_spec_patches_what_kernelize_replaces(tmp_path):
         with use_kernel_mapping(mapping, inherit_mapping=False):
             kernelize(kz, mode=Mode.TRAINING, device="cpu")
     finally:
-        for c, old in saved.items():
-            for a in ("kernel_layer_name", "kernel_condition"):
+        for (c, a), old in saved.items():      # the classes exactly as they were
+            if old is missing:
                 if a in c.__dict__:
                     delattr(c, a)
-            if old is not None:
-                c.kernel_layer_name = old
+            else:
+                setattr(c, a, old)
     replaced = {path for path, m in kz.named_modules() if "forward" in m.__dict__
                 and m.forward.__func__.__qualname__ == "TinyRMSNorm.forward"}
     assert planned == replaced and len(planned) == 2 * 4 + 1     # 4 norms per layer (q_norm, k_norm too) + model.norm

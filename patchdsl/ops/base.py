@@ -164,6 +164,10 @@ class Op:
         naming the site before anything runs.  Generated ops are always available."""
         return None
 
+    def resolved_source(self, params: Mapping[str, Any]) -> str:
+        """``source`` with what this machine resolved it to (called after ``unavailable``)."""
+        return self.source(params)
+
     def load(self, params: Mapping[str, Any]) -> Any:
         """External ops: the loaded kernel for ``params`` (what ``kernels(dtype)`` returns)."""
         raise NotImplementedError(f"{self.name} generates its kernels; it has nothing to load")

@@ -51,6 +51,7 @@ def variant_digest(path: Path) -> str:
 
 
 _LOADED: dict[tuple, Any] = {}
+_WHERE: dict[tuple, str] = {}         # what each loaded layer came from (variant path + hash, or repo)
 
 
 def _kernel_module(params: Mapping[str, Any]) -> tuple[Any, str]:
@@ -61,13 +62,24 @@ def _kernel_module(params: Mapping[str, Any]) -> tuple[Any, str]:
         path = Path(repo)
         if not path.is_dir():
             raise FileNotFoundError(f"no folder {path}")
-        from kernels.resolver import resolve_local_kernel
+        mod = kernels.get_local_kernel(path)
+        try:        # the build variant that loaded (kernels' resolver; not part of its stable API)
+            from kernels.resolver import resolve_local_kernel
 
-        where = resolve_local_kernel(path, backend=None).variant_path
-        return kernels.get_local_kernel(path), f"{where} (sha256 {variant_digest(where)[:16]})"
+            where = resolve_local_kernel(path, backend=None).variant_path
+        except Exception:
+            where = path
+        return mod, f"{where} (sha256 {variant_digest(where)[:16]})"
     mod = kernels.get_kernel(repo, version=params["version"], revision=params["revision"],
                              trust_remote_code=bool(params["trust_remote_code"]))
-    return mod, repo
+    commit = None
+    try:        # the commit the pin resolved to, as the kernels library recorded it
+        for lk in kernels.get_loaded_kernels():
+            if lk.module is mod and lk.repo_info is not None:
+                commit = lk.repo_info.revision
+    except Exception:
+        pass
+    return mod, f"{repo}@{commit}" if commit else repo
 
 
 def load_layer(params: Mapping[str, Any]) -> Any:
@@ -85,6 +97,7 @@ def load_layer(params: Mapping[str, Any]) -> Any:
             raise LookupError(f"the kernel at {where} has no layer {params['layer']!r} "
                               f"(its layers: {', '.join(names) or 'none'})")
         _LOADED[key] = got
+        _WHERE[key] = where
     return got
 
 
@@ -155,6 +168,14 @@ class HubLayer(Op):
             return f"local {params['repo']} layer {params['layer']}"
         pin = f"version {params['version']}" if params["version"] is not None else f"revision {params['revision']}"
         return f"hub {params['repo']} layer {params['layer']} ({pin})"
+
+    def resolved_source(self, params: Mapping[str, Any]) -> str:
+        where = _WHERE.get((params["repo"], params["layer"], params["version"], params["revision"], params["local"]))
+        if not where:
+            return self.source(params)
+        if params["local"]:
+            return f"{self.source(params)}, {where}"
+        return f"{self.source(params)} -> {where.split('@', 1)[1]}" if "@" in where else self.source(params)
 
     def unavailable(self, params: Mapping[str, Any]) -> str | None:
         try:
