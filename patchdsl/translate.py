@@ -132,7 +132,9 @@ def _q(s: str) -> str:
 def hub_call(repo_layer: str, meta: Mapping[str, Any]) -> str:
     repo, _, layer = repo_layer.rpartition(":")
     args = [_q(repo), _q(layer)]
-    if not repo.startswith("/"):
+    from .ops.hub import is_local
+
+    if not is_local(repo):
         if "version" in meta:
             args.append(f"version={int(meta['version'])}")
         else:

@@ -306,6 +306,7 @@ def _meta_qwen3():
      '*: Qwen3RMSNorm -> hub("org/norms", "A", revision="v1.2", trust_remote_code=true)'),
     ({"cuda": ["org/norms:A", {"revision": "abc"}]}, "cuda", '*: Qwen3RMSNorm -> hub("org/norms", "A", revision="abc")'),
     ("/abs/repo:A", "cuda", '*: Qwen3RMSNorm -> hub("/abs/repo", "A")'),
+    ("./vendor/repo:A", "cuda", '*: Qwen3RMSNorm -> hub("./vendor/repo", "A")'),
     ({"rocm": "org/norms:A"}, "cuda", "# RMSNorm: no entry for cuda; kernelize keeps the original forward"),
 ])
 def test_each_mapping_value_form_translates(value, device, rule):
