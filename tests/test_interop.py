@@ -292,6 +292,39 @@ def test_liger_ops_verify_on_gpu(dtype):
                                               "liger.fused_linear_cross_entropy"}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="Liger-Kernel needs a CUDA GPU")
+def test_mixed_generated_liger_and_hub_spec_verifies_on_gpu(tmp_path):
+    """The H200 closing check at tiny sizes: generated ops, a Liger op and a local Hub-style kernel."""
+    pytest.importorskip("liger_kernel")
+    repo = write_kernel_repo(tmp_path / "norm", "gpu-norm", RMS_LAYER.format(note="exact", scale="1.0"), backend="cuda")
+    spec = (f'*.input_layernorm, *.post_attention_layernorm: RMSNorm -> hub("{repo}", "TinyRMSNorm")\n'
+            "model.norm: RMSNorm -> fused_rmsnorm\n*.self_attn: Attention -> fused_qk_norm_rope\n"
+            "*.mlp: SwiGLU -> liger.swiglu\nlm_head: Linear -> fused_linear_cross_entropy\n")
+    report = patchdsl.verify(spec, tiny_qwen3(layers=2), dtype="bf16", batch=2, seq=32, steps=1, device="cuda")
+    assert report.passed, report.verdict
+    assert {s["op"] for s in report.sites} == {"hub", "fused_rmsnorm", "fused_qk_norm_rope", "liger.swiglu",
+                                              "fused_linear_cross_entropy"}
+
+
+def test_plan_cli_shows_sources_and_check_needs_no_kernel(tmp_path):
+    from click.testing import CliRunner
+
+    from patchdsl.cli import main
+
+    repo = norm_repo(tmp_path / "good")
+    spec = tmp_path / "s.kpatch"
+    spec.write_text(f'attention eager\nmodel.norm: RMSNorm -> hub("{repo}", "TinyRMSNorm")\n')
+    r = CliRunner().invoke(main, ["plan", str(spec), "--model", "Qwen/Qwen3-0.6B"])
+    assert r.exit_code == 0, r.output
+    assert "local " in r.output and "TinyRMSNorm" in r.output and "sha256" in r.output
+    assert "attention implementation: eager" in r.output and "1 site(s) with external kernels" in r.output
+    spec.write_text('model.norm: RMSNorm -> hub("./not/there", "X")\n')
+    assert CliRunner().invoke(main, ["check", str(spec)]).exit_code == 0          # no model, nothing loaded
+    r = CliRunner().invoke(main, ["plan", str(spec), "--model", "Qwen/Qwen3-0.6B"])
+    assert r.exit_code == 2 and "model.norm" in r.output and "build/torch-universal" in r.output
+
+
 # ---------------------------------------------------------------- KernelConfig mappings
 def _meta_qwen3():
     with torch.device("meta"):
