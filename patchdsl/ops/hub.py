@@ -70,8 +70,13 @@ def _kernel_module(params: Mapping[str, Any]) -> tuple[Any, str]:
         except Exception:
             where = path
         return mod, f"{where} (sha256 {variant_digest(where)[:16]})"
-    mod = kernels.get_kernel(repo, version=params["version"], revision=params["revision"],
-                             trust_remote_code=bool(params["trust_remote_code"]))
+    kw = {"version": params["version"], "revision": params["revision"]}
+    if params["trust_remote_code"]:
+        if "trust_remote_code" not in inspect.signature(kernels.get_kernel).parameters:
+            raise ImportError(f"kernels {getattr(kernels, '__version__', '?')} has no trust_remote_code; "
+                              f"upgrade: pip install -U 'patchdsl[hub]'")
+        kw["trust_remote_code"] = True
+    mod = kernels.get_kernel(repo, **kw)
     commit = None
     try:        # the commit the pin resolved to, as the kernels library recorded it
         for lk in kernels.get_loaded_kernels():
