@@ -55,7 +55,12 @@ class AttentionChoice:
         if self.impl == "flex_attention":
             from transformers.utils import is_torch_flex_attn_available
 
-            return None if is_torch_flex_attn_available() else "this torch build has no flex_attention"
+            if not is_torch_flex_attn_available():
+                return "this torch build has no flex_attention"
+            if target != "cuda" or not torch.cuda.is_available():
+                # measured: torch raises "FlexAttention does not support backward on CPU"
+                return "needs a CUDA GPU for training (torch's FlexAttention has no backward on the CPU)"
+            return None
         if self.impl in ("flash_attention_2", "flash_attention_3"):
             from transformers.utils import import_utils as iu
 
