@@ -141,6 +141,7 @@ def test_verify_bf16_hub_layer_same_tolerances(tmp_path):
     ("missing", "cannot load layer 'TinyRMSNorm' from the local repository"),
     ("no_layer", "has no layer 'TinyRMSNorm' (its layers: OtherNorm)"),
     ("empty", "build/torch-universal/metadata.json"),
+    ("no_backward", "declares has_backward=False"),
 ])
 def test_unavailable_local_repository_names_the_site_and_where_to_put_files(tmp_path, setup, message):
     repo = tmp_path / "r"
@@ -148,6 +149,9 @@ def test_unavailable_local_repository_names_the_site_and_where_to_put_files(tmp_
         write_kernel_repo(repo, "other-norm", "import torch\nclass OtherNorm(torch.nn.Module):\n    pass\n")
     elif setup == "empty":
         repo.mkdir()
+    elif setup == "no_backward":
+        write_kernel_repo(repo, "fwd-norm", "import torch\nclass TinyRMSNorm(torch.nn.Module):\n    has_backward = False\n"
+                          "    def forward(self, hidden_states):\n        return hidden_states\n")
     with pytest.raises(SpecError) as e:
         patchdsl.plan(parse_spec(f'model.norm: RMSNorm -> hub("{repo}", "TinyRMSNorm")\n', "u.kpatch"),
                       tiny_qwen3(layers=1)())

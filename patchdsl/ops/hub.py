@@ -203,6 +203,8 @@ class HubLayer(Op):
                    "check the repository id, the pin and the network; to work offline copy the repository "
                    f"into a folder and write hub(\"./folder\", \"{params['layer']}\")")
             return f"cannot load {params['repo']}:{params['layer']} ({said}); {how}"
+        if not getattr(load_layer(params), "has_backward", True):
+            return f"the layer {params['layer']} declares has_backward=False: it cannot be trained through"
         return None
 
     def load(self, params: Mapping[str, Any]) -> Any:
