@@ -11,7 +11,7 @@ from typing import Any
 
 from .ops.base import FlagTypeError, Op
 from .ops.registry import KIND_NAMES, get_op, ops
-from .syntax.ast import Flag, Rule, Span, Spec
+from .syntax.ast import Arg, Flag, Rule, Span, Spec
 from .syntax.errors import SpecError, did_you_mean
 from .syntax.parser import BAD_VALUE
 from .syntax.selectors import is_glob
@@ -53,10 +53,27 @@ def _op_or_error(name: str, span: Span) -> Op:
     return op
 
 
-def _typed_flags(op: Op, flags: tuple[Flag, ...], errors: list[SpecError]) -> list[tuple[str, FlagValue]]:
+def _positional(op: Op, args: tuple[Arg, ...]) -> tuple[Flag, ...]:
+    """Positional values as the flags they stand for (``hub("org/repo", "Layer")``: repo, layer)."""
+    if args and not op.positional:
+        raise SpecError(f"{op.name} takes no positional values", args[0].span,
+                        hint=f"write flags as name=value" + (f" ({', '.join(f.name for f in op.flags)})" if op.flags else ""))
+    if len(args) > len(op.positional):
+        raise SpecError(f"{op.name} takes at most {len(op.positional)} positional value(s) "
+                        f"({', '.join(op.positional)})", args[len(op.positional)].span)
+    return tuple(Flag(name, a.value, a.span) for name, a in zip(op.positional, args))
+
+
+def _typed_flags(op: Op, flags: tuple[Flag, ...], errors: list[SpecError],
+                 args: tuple[Arg, ...] = ()) -> list[tuple[str, FlagValue]]:
     out: list[tuple[str, FlagValue]] = []
     seen: dict[str, Span] = {}
-    for fl in flags:
+    try:
+        positional = _positional(op, args)
+    except SpecError as e:
+        errors.append(e)
+        positional = ()
+    for fl in positional + tuple(flags):
         if fl.value is BAD_VALUE:       # its literal was already reported by the parser
             continue
         spec = op.flag(fl.name)
@@ -76,6 +93,11 @@ def _typed_flags(op: Op, flags: tuple[Flag, ...], errors: list[SpecError]) -> li
         except FlagTypeError as e:
             errors.append(SpecError(str(e), fl.span, hint=spec.doc))
             continue
+        try:
+            value = op.locate(fl.name, value, fl.span.file)
+        except SpecError as e:
+            errors.append(e)
+            continue
         out.append((fl.name, FlagValue(value, fl.span.short)))
     return out
 
@@ -89,7 +111,7 @@ def _check_kinds(rule: Rule, op: Op) -> None:
             if close and a.lower() in {k.lower() for k in KIND_NAMES}:
                 raise SpecError(f"unknown kind '{a}'", rule.class_pattern.span, hint=close)
     bad = [k for k in kinds if k not in op.kinds]
-    if bad:
+    if bad and not op.any_kind:
         raise SpecError(
             f"{op.name} replaces {' or '.join(op.kinds)} modules, not {' or '.join(bad)}",
             rule.class_pattern.span, hint=f"write '{op.kinds[0]} -> {op.name}'")
@@ -119,7 +141,7 @@ def check_spec(spec: Spec, *, prior: SpecError | None = None) -> CheckedSpec:
         except SpecError as e:
             errors.append(e)
             continue
-        rules.append(CheckedRule(r, op.name, tuple(_typed_flags(op, r.op.flags, errors))))
+        rules.append(CheckedRule(r, op.name, tuple(_typed_flags(op, r.op.flags, errors, r.op.args))))
     if prior is not None:
         errors = in_file_order(list(prior.errors) + errors)
         if errors or prior.more:

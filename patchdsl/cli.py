@@ -150,8 +150,11 @@ def print_plan(p, console=None) -> None:
     for col in ("path", "class", "op", "flags", "rule", "matched by"):
         t.add_column(col, overflow="fold")
     for s in p.sites:
-        op = s.op if not s.refused else f"{s.op} [yellow](refused)[/yellow]"
-        t.add_row(s.path or "<model>", s.cls, op, _fmt_flags(s), ", ".join(s.rules), s.matched_by)
+        op = f"{s.op}\n  from {s.source}" if s.source and s.op != "hub" else (s.source if s.source else s.op)
+        if s.refused:
+            op += " [yellow](refused)[/yellow]"
+        flags = _fmt_flags(s) if s.op != "hub" else ""    # hub's flags are its source, shown in the op column
+        t.add_row(s.path or "<model>", s.cls, op, flags, ", ".join(s.rules), s.matched_by)
         for c in s.covers:
             t.add_row(f"  {c}", p.infos[c].cls if c in p.infos else "", f"(fused into {s.op})", "", s.rule, "covered")
     console.print(t)
@@ -165,8 +168,12 @@ def print_plan(p, console=None) -> None:
     for (rule, op, reason), paths in shown.items():
         where = paths[0] if len(paths) == 1 else f"{len(paths)} sites ({paths[0]}, ...)"
         console.print(f"[yellow]{rule}: refused {op} on {where}: {reason}[/yellow]", markup=True)
+    if p.attention is not None:
+        console.print(f"attention implementation: {p.attention.impl} (this model instance only; {p.attention.span})")
+    ext = p.external_sites()
     n_ok = sum(1 for s in p.sites if not s.refused)
-    console.print(f"{n_ok} site(s) to patch, {len(p.sites) - n_ok} refused, {len(p.kernel_keys())} kernel(s) to generate")
+    console.print(f"{n_ok} site(s) to patch, {len(p.sites) - n_ok} refused, {len(p.kernel_keys())} kernel(s) to generate"
+                  + (f", {len(ext)} site(s) with external kernels" if ext else ""))
 
 
 @main.command()
@@ -369,13 +376,30 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
               help="Liger-Kernel's liger_kernel_config as JSON ('{\"rope\": true, ...}'), 'true' for "
                    "use_liger_kernel with Liger's defaults, or @file (JSON or YAML; a training config's "
                    "use_liger_kernel / liger_kernel_config keys are read).")
+@click.option("--kernel-mapping", "kernel_mapping", type=click.Path(dir_okay=False),
+              help="A transformers KernelConfig kernel_mapping as JSON: {\"RMSNorm\": \"org/repo:Layer\", ...}.")
 @click.option("--model", "-m", help="Hub id, local folder, or path to config.json (the spec is written for it).")
-def translate(liger: str | None, model: str | None) -> None:
-    """Print the spec equivalent to another tool's kernel settings (e.g. --liger) for --model."""
-    if liger is None:
-        raise UsageFailure("say what to translate: --liger JSON|@FILE")
+@click.option("--device", default="cuda", show_default=True,
+              help="With --kernel-mapping: which entry of per-device mapping values to take.")
+def translate(liger: str | None, kernel_mapping: str | None, model: str | None, device: str) -> None:
+    """Print the spec equivalent to another tool's kernel settings (--liger or --kernel-mapping) for --model."""
+    if (liger is None) == (kernel_mapping is None):
+        raise UsageFailure("say what to translate: --liger JSON|@FILE or --kernel-mapping FILE.json")
     if model is None:
-        raise UsageFailure("--liger needs --model M: the spec depends on the model's modules")
+        raise UsageFailure("translate needs --model M: the spec depends on the model's modules")
+    if kernel_mapping:
+        from .translate import MappingError, load_mapping, translate as run_translate
+
+        try:
+            mapping = load_mapping(kernel_mapping)
+        except (OSError, ValueError) as e:
+            raise UsageFailure(f"cannot read {kernel_mapping}: {e}") from None
+        loaded = _load_model(model, meta=True)
+        try:
+            click.echo(run_translate(mapping, loaded.model, device=device, source=kernel_mapping), nl=False)
+        except MappingError as e:
+            raise UsageFailure(f"{kernel_mapping}: {e}") from None
+        return
     from .index import build_index
     from .integrations.liger import parse_liger_argument, translate_liger
 

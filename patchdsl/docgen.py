@@ -23,7 +23,8 @@ def render_ops_md() -> str:
     for op in ops().values():
         lines += ["", f"## `{op.name}`", "", op.doc.strip(), "",
                   f"- replaces: {', '.join('`' + k + '`' for k in op.kinds)}",
-                  f"- template: `templates/{op.template}`"]
+                  (f"- template: `templates/{op.template}`" if not op.external
+                   else "- kernel: external (loaded, not generated; see `docs/interop.md`)")]
         if op.covers:
             lines.append(f"- fuses the child modules: {', '.join('`' + c + '`' for c in op.covers)}")
         if op.flags:

@@ -25,6 +25,7 @@ from .check import CheckedSpec, check_spec
 from .codegen.keys import KernelKey
 from .codegen.render import CodegenError, validate_key
 from .index import ModelIndex, build_index
+from .ops.attention_impl import AttentionChoice, choose_attention
 from .ops.base import ModuleInfo
 from .ops.registry import get_op
 from .select import explain_misfits, explain_no_match, select_all
@@ -53,6 +54,7 @@ class Site:
     @property
     def patched(self) -> bool:
         return not self.refused
+    source: str = ""              # external ops: where the kernel comes from, with its pin
 
     @property
     def flag_dict(self) -> dict[str, Any]:
@@ -65,7 +67,7 @@ class Site:
         return {"path": self.path, "class": self.cls, "op": self.op, "flags": dict(self.flags),
                 "flag_sources": dict(self.flag_sources), "rule": self.rule, "rules": list(self.rules),
                 "matched_by": self.matched_by, "host": self.host, "covers": list(self.covers),
-                "refused": self.refused, "optional": self.optional,
+                "refused": self.refused, "optional": self.optional, "source": self.source,
                 "kernels": [k.to_json() for k in self.keys]}
 
 
@@ -80,6 +82,7 @@ class PatchPlan:
     unmatched_optional: tuple[str, ...] = ()
     totals: tuple[tuple[str, int, int], ...] = ()   # (module name, patched, present)
     infos: Mapping[str, ModuleInfo] = field(default_factory=dict, compare=False, repr=False)
+    attention: AttentionChoice | None = None        # the ``attention`` directive, per model instance
 
     def __iter__(self):
         return iter(self.sites)
@@ -97,8 +100,12 @@ class PatchPlan:
             if s.refused:
                 continue
             for k in s.keys:
-                seen.setdefault(k, None)
+                if k.template:
+                    seen.setdefault(k, None)
         return list(seen)
+
+    def external_sites(self) -> list[Site]:
+        return [s for s in self.sites if s.source]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -107,6 +114,7 @@ class PatchPlan:
             "sites": [s.to_json() for s in self.sites],
             "unmatched_optional": list(self.unmatched_optional),
             "totals": [{"name": n, "patched": p, "present": t} for n, p, t in self.totals],
+            "attention": self.attention.to_json() if self.attention else None,
             "modules": {p: {"class": i.cls, "bases": list(i.bases), "kinds": {k: dict(v) for k, v in i.kinds.items()},
                             "dtype": i.dtype, "children": list(i.children)}
                         for p, i in self.infos.items()},
@@ -227,6 +235,9 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         hosts[host] = path
         flags = {k: v.value for k, v in st["flags"].items()}
         sources = {k: v.source for k, v in st["flags"].items()}
+        bad = op.validate(flags)
+        if bad:
+            raise SpecError(f"{path}: {bad}", st["span"])
         minfo = info.with_host(index.infos.get(host))
         keys = []
         for dt in dts:
@@ -241,15 +252,48 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         refused = (check(op, path, host, minfo, flags) if check is not None else None) or ""
         sites.append(Site(path, info.cls, op.name, tuple(flags.items()), tuple(sources.items()),
                           st["rules"][0], tuple(st["rules"]), st["how"], host, tuple(keys), covers,
-                          refused, st["optional"]))
+                          refused, st["optional"], op.source(keys[0].param_dict) if keys else ""))
     if errors:
         raise SpecError.combine(errors)
     present = Counter(_leaf(i.path) for i in index if i.path)
     totals = count_totals(sites, present)
     used = set(order) | set(covered) | {s.host for s in sites}
     infos = {p: index.infos[p] for p in index.infos if p in used}
+    attention = choose_attention(spec.attention) if spec.attention is not None else None
     return PatchPlan(spec.path, index.model_class, index.model_type, target, dts, tuple(sites),
-                     tuple(unmatched), totals, infos)
+                     tuple(unmatched), totals, infos, attention)
+
+
+def check_available(checked: CheckedSpec, plan: PatchPlan, model_cls: type | None = None) -> PatchPlan:
+    """Raise a SpecError naming the site (and its rule) whose kernel cannot be had on this machine:
+    an external op whose package, GPU or files are missing, an attention implementation that
+    cannot run here.  Returns the plan with each external site's source as resolved here (a local
+    repository's content hash, the commit a Hub pin resolved to).  Not pure: it looks at installed
+    packages, the device and the file system."""
+    from dataclasses import replace
+
+    spans = {cr.rule.span.short: cr.rule for cr in checked.rules}
+    said: dict[tuple, str | None] = {}
+    sites = []
+    for s in plan.sites:
+        op = get_op(s.op)
+        if not op.external:
+            sites.append(s)
+            continue
+        for k in s.keys:
+            key = (s.op, k.params)
+            if key not in said:
+                said[key] = op.unavailable(k.param_dict)
+            if said[key]:
+                rule = spans.get(s.rule)
+                raise SpecError(f"{s.path}: {s.source or s.op} cannot be used here: {said[key]}",
+                                rule.op.span if rule is not None else None)
+        sites.append(replace(s, source=op.resolved_source(s.keys[0].param_dict)) if s.keys else s)
+    if plan.attention is not None:
+        why = plan.attention.unavailable(plan.target, model_cls)
+        if why:
+            raise SpecError(f"attention {plan.attention.impl} cannot run here: {why}", checked.spec.attention.span)
+    return replace(plan, sites=tuple(sites))
 
 
 def plan(spec: Spec | str, model: Any, *, target: str | None = None,
@@ -478,7 +522,23 @@ def _load_site(i: int, d: Any, infos: Mapping[str, ModuleInfo], dtypes: tuple[st
                 _text(d.get("rule"), f"{where}.rule", 400),
                 tuple(_text(r, f"{where}.rules", 400) for r in _list(d.get("rules", []), f"{where}.rules")),
                 _text(d.get("matched_by"), f"{where}.matched_by", 400), host, tuple(keys), covers,
-                _text(refused, f"{where}.refused", 1000), bool(d.get("optional", False) is True))
+                _text(refused, f"{where}.refused", 1000), bool(d.get("optional", False) is True),
+                op.source(keys[0].param_dict) if keys else "")
+
+
+def _attention(d: Any) -> AttentionChoice | None:
+    if d is None:
+        return None
+    try:
+        d = _obj(d, "plan.attention")
+        impl = d.get("impl")
+        _need(isinstance(impl, str) and bool(re.fullmatch(r"[A-Za-z0-9_]{1,64}", impl)), "plan.attention.impl",
+              "expected an implementation name")
+        return AttentionChoice.from_json({"impl": impl, "rule": _text(d.get("rule", ""), "plan.attention.rule", 400)})
+    except PlanError:
+        raise
+    except Exception as e:
+        raise PlanError(f"plan.attention: {type(e).__name__}: {e}") from None
 
 
 def _load_plan(d: Any) -> PatchPlan:
@@ -513,6 +573,6 @@ def _load_plan(d: Any) -> PatchPlan:
                          model_type, target, dtypes, sites,
                          tuple(_text(u, "plan.unmatched_optional", 1000)
                                for u in _list(d.get("unmatched_optional", []), "plan.unmatched_optional")),
-                         tuple(totals), infos)
+                         tuple(totals), infos, _attention(d.get("attention")))
     except RecursionError:
         raise PlanError("plan: nested too deeply") from None

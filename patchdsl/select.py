@@ -34,7 +34,7 @@ def class_match(rule: Rule, info: ModuleInfo, op: Op) -> str | None:
     names one of those, a class alternative only narrows.
     """
     fits = [k for k in op.kinds if k in info.kinds]
-    if not fits:
+    if not fits and not op.any_kind:       # a Hub layer may replace any module the rule names
         return None
     for alt in rule.class_pattern.alternatives:
         if alt in KIND_NAMES:
@@ -44,7 +44,7 @@ def class_match(rule: Rule, info: ModuleInfo, op: Op) -> str | None:
         rx = class_glob_regex(alt)
         name = next((n for n in (info.cls,) + info.bases if rx.match(n)), None)
         if name is not None:
-            return f"class {name} ({fits[0]})"
+            return f"class {name} ({fits[0]})" if fits else f"class {name}"
     return None
 
 

@@ -134,6 +134,12 @@ class Op:
     flags: ClassVar[tuple[FlagSpec, ...]] = ()
     covers: ClassVar[tuple[str, ...]] = ()    # child modules whose work this op fuses in
     doc: ClassVar[str] = ""
+    # External ops (patchdsl/ops/external.py): a third-party kernel (a Hub kernel layer, an
+    # installed Liger-Kernel op) loaded by ``load`` instead of a generated one.  They plan, patch,
+    # undo and verify through the same planner, runtime and parity code as generated ops.
+    external: ClassVar[bool] = False
+    positional: ClassVar[tuple[str, ...]] = ()  # flags that may be given as positional values
+    any_kind: ClassVar[bool] = False          # may replace any selected module (Hub layers)
 
     # ---- pure, planning time -------------------------------------------------------
     def flag(self, name: str) -> FlagSpec | None:
@@ -145,6 +151,35 @@ class Op:
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
         """Specialisation parameters of the kernel for this site (JSON-able, deterministic)."""
         raise NotImplementedError
+
+    def locate(self, name: str, value: Any, file: str) -> Any:
+        """A flag value as given in ``file`` made independent of it (external ops resolve a local
+        repository path against the spec's folder).  Default: unchanged."""
+        return value
+
+    def validate(self, flags: Mapping[str, Any]) -> str | None:
+        """Why the resolved flags of a site do not go together (None if they do).  Pure."""
+        return None
+
+    def source(self, params: Mapping[str, Any]) -> str:
+        """Where an external op's kernel comes from, with its pin, for ``plan`` ("" for generated ops)."""
+        return ""
+
+    # ---- external ops: the machine-dependent part (plan time and runtime) --------
+    def unavailable(self, params: Mapping[str, Any]) -> str | None:
+        """Why the kernel of ``params`` cannot be had on this machine (None if it can).
+
+        Called when a plan is made for this machine, so a missing package or kernel is an error
+        naming the site before anything runs.  Generated ops are always available."""
+        return None
+
+    def resolved_source(self, params: Mapping[str, Any]) -> str:
+        """``source`` with what this machine resolved it to (called after ``unavailable``)."""
+        return self.source(params)
+
+    def load(self, params: Mapping[str, Any]) -> Any:
+        """External ops: the loaded kernel for ``params`` (what ``kernels(dtype)`` returns)."""
+        raise NotImplementedError(f"{self.name} generates its kernels; it has nothing to load")
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         """A readable file stem naming what the kernel is specialised for."""

@@ -103,6 +103,7 @@ def loss_kernel_name(op: str, params: Mapping[str, Any]) -> str:
 
 class FusedCrossEntropy(Op):
     name = "fused_cross_entropy"
+    loss_role = "fused_cross_entropy"      # what loss_path checks the host for (shared with liger.* loss ops)
     kinds = ("Linear",)
     template = "fused_cross_entropy.py.j2"
     doc = ("The causal-LM loss on logits in one Triton kernel per row (online logsumexp for long rows); "
@@ -140,7 +141,7 @@ class FusedCrossEntropy(Op):
             return (f"the model's forward already applies final_logit_softcapping={f['softcap']}; "
                     f"softcap={cap} would apply it twice")
         if hasattr(module, "lm_head") and hasattr(module, "model"):
-            return host_reason(module, info, flags, self.name)
+            return host_reason(module, info, flags, self.loss_role)
         import torch
         if not isinstance(module, torch.nn.Linear):
             return f"{type(module).__name__} is not a plain nn.Linear"
@@ -154,7 +155,7 @@ class FusedCrossEntropy(Op):
 
     def install(self, host, kernels, flags, info):
         from .loss_path import install_forward, loss_function_settable, make_loss_function, require_host, vocab_of
-        require_host(host, info, flags, self.name)
+        require_host(host, info, flags, self.loss_role)
         if loss_function_settable(type(host)):
             original = type(host).loss_function.fget(host)
             return [(host, "_loss_function", make_loss_function(kernels, flags, original, vocab_of(info)))]

@@ -36,6 +36,7 @@ def auto_chunk(vocab: int, dtype: str, target: str) -> int:
 
 class FusedLinearCrossEntropy(Op):
     name = "fused_linear_cross_entropy"
+    loss_role = "fused_linear_cross_entropy"      # what loss_path checks the host for (shared with liger.* loss ops)
     kinds = ("Linear",)
     template = "fused_linear_cross_entropy.py.j2"
     doc = ("lm_head matmul + cross entropy in token chunks, never materialising the (tokens, vocab) logits; "
@@ -89,7 +90,7 @@ class FusedLinearCrossEntropy(Op):
         if not f:
             return "no enclosing causal LM (a module with model, lm_head and config) was found"
         if hasattr(module, "lm_head") and hasattr(module, "model"):
-            return host_reason(module, info, flags, self.name)
+            return host_reason(module, info, flags, self.loss_role)
         import torch
         if not isinstance(module, torch.nn.Linear):
             return f"{type(module).__name__} is not a plain nn.Linear (a LoRA delta would be missed)"
@@ -108,7 +109,7 @@ class FusedLinearCrossEntropy(Op):
 
     def install(self, host, kernels, flags, info):
         from .loss_path import install_forward, require_host
-        require_host(host, info, flags, self.name)
+        require_host(host, info, flags, self.loss_role)
         return install_forward(host, kernels, flags, "linear")
 
 

@@ -19,6 +19,7 @@ _KIND_DOCS: dict[str, str] = {}
 OP_MODULES = (
     "rmsnorm", "add_rmsnorm", "layernorm", "swiglu", "geglu", "rope", "qk_norm_rope",
     "cross_entropy", "linear_cross_entropy",
+    "hub", "liger",      # external ops (patchdsl/ops/external.py)
 )
 KIND_NAMES = ("RMSNorm", "LayerNorm", "SwiGLU", "GeGLU", "Attention", "CausalLM", "Linear", "DecoderLayer")
 

@@ -65,6 +65,7 @@ class ParityReport:
     refused: list[str] = field(default_factory=list)
     refused_required: list[str] = field(default_factory=list)   # refusals of sites not marked optional
     grads_compared: int = 0
+    attention: str | None = None          # the spec's attention implementation, when it sets one
 
     # ---- results -------------------------------------------------------------------
     @property
@@ -120,7 +121,7 @@ class ParityReport:
         for s in self.sites:
             rows = self.site_rows(s["path"])
             sites.append({
-                "path": s["path"], "op": s["op"], "host": s["host"],
+                "path": s["path"], "op": s["op"], "host": s["host"], "source": s.get("source", ""),
                 "passed": bool(rows) and all(r.passed for r in rows),
                 "max_abs_err": _num(max((r.max_abs_err for r in rows), default=0.0)),
                 "max_rel_err": _num(max((r.max_rel_err for r in rows), default=0.0)),
@@ -138,6 +139,7 @@ class ParityReport:
             "steps": [r.to_json() for r in self.rows if r.kind == "step"],
             "grads_compared": self.grads_compared,
             "refused": list(self.refused), "refused_required": list(self.refused_required),
+            "attention": self.attention,
         }
 
     def table(self):
@@ -164,6 +166,8 @@ class ParityReport:
 
             console = Console(highlight=False, soft_wrap=True)
         console.print(self.table())
+        if self.attention:
+            console.print(f"patched model ran with attention implementation {self.attention}")
         for r in self.refused:
             console.print(f"refused: {r}")
         style = "bold green" if self.passed else "bold red"

@@ -191,7 +191,9 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int 
     report.refused = [str(r) for r in handle.refused]
     report.refused_required = [str(r) for r in handle.refused_required]
     live = [s for s in p.sites if s.path in handle.patched]
-    report.sites = [{"path": s.path, "op": s.op, "host": s.host} for s in live]
+    report.sites = [{"path": s.path, "op": s.op, "host": s.host, **({"source": s.source} if s.source else {})}
+                    for s in live]
+    report.attention = p.attention.impl if p.attention is not None else None
     try:
         gen = torch.Generator().manual_seed(seed)
         vocab = _vocab(patched)

@@ -115,7 +115,9 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
                     f"{op.name} has kernels for float32, bfloat16 and float16 only, not {dt} (was the model cast "
                     f"after patchdsl.apply? call handle.undo() before casting, then apply again)")
             params = op.key_params(info, flags, name, target)
-            mod = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+            # an external op loads its third-party kernel; a generated one is rendered and imported
+            mod = op.load(params) if op.external else load_kernel(
+                KernelKey.make(op.name, op.template, op.kernel_name(params), params))
             cache[dt] = mod
         return mod
 
@@ -379,6 +381,10 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                 _set(handle, record if obj is host else None, obj, attr, value)
             _set(handle, None, host, SITE_ATTR, record)
             handle.patched.append(site.path)
+        if plan.attention is not None:
+            # the model's attention implementation, on this instance only (see ops/attention_impl.py)
+            for obj, attr, value in plan.attention.install(model):
+                _set(handle, obj, attr, value)
     except BaseException:
         handle.undo()
         raise

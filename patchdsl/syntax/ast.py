@@ -53,10 +53,19 @@ class Flag:
 
 
 @dataclass(frozen=True)
+class Arg:
+    """A positional value of an op call: ``hub("org/repo", "Layer", version=1)``."""
+
+    value: Any
+    span: Span
+
+
+@dataclass(frozen=True)
 class OpCall:
-    name: str
+    name: str                       # ``fused_rmsnorm``, ``liger.rms_norm``, ``hub``
     flags: tuple[Flag, ...]
     span: Span
+    args: tuple[Arg, ...] = ()      # positional values (external sources)
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,15 @@ class DefaultDirective:
 
 
 @dataclass(frozen=True)
+class AttentionDirective:
+    """``attention sdpa``: the model's attention implementation (per model instance)."""
+
+    impl: str
+    flags: tuple[Flag, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
 class Spec:
     """A parsed spec with includes expanded in place (file order is preserved)."""
 
@@ -93,3 +111,4 @@ class Spec:
     defaults: tuple[DefaultDirective, ...]
     dtype_span: Span | None = None
     includes: tuple[str, ...] = ()
+    attention: AttentionDirective | None = None

@@ -33,7 +33,7 @@ from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from ..resources import grammar_path, specs_dir
-from .ast import ClassPattern, DefaultDirective, Flag, OpCall, Rule, Selector, Span, Spec
+from .ast import Arg, AttentionDirective, ClassPattern, DefaultDirective, Flag, OpCall, Rule, Selector, Span, Spec
 from .errors import MAX_ERRORS, SpecError, did_you_mean
 from .selectors import check_selector
 
@@ -66,6 +66,8 @@ _TERMINAL_NAMES = {
     "DTYPE": "'dtype'",
     "INCLUDE": "'include'",
     "DEFAULT": "'default'",
+    "ATTENTION": "'attention'",
+    "DOT": "'.'",
     "$END": "end of file",
 }
 
@@ -143,9 +145,29 @@ class _Build(Transformer):
 
     @v_args(meta=True)
     def default_directive(self, meta, items):
-        name = items[0]
+        name, name_span = items[0]
         flags = tuple(i for i in items[1:] if isinstance(i, Flag))
-        return ("default", DefaultDirective(str(name), flags, self.span(name)))
+        return ("default", DefaultDirective(name, flags, name_span))
+
+    @v_args(meta=True)
+    def attention_directive(self, meta, items):
+        tok = items[0]
+        text = str(tok)
+        if tok.type == "STRING":
+            text = text[1:-1]
+        flags = tuple(i for i in items[1:] if isinstance(i, Flag))
+        return ("attention", AttentionDirective(text, flags, self.span(tok)))
+
+    @v_args(meta=True)
+    def op_name(self, meta, items):
+        """``fused_rmsnorm`` or a dotted external op ``liger.rms_norm``: (name, span of the whole name)."""
+        first, last = items[0], items[-1]
+        src = self.lines[first.line - 1] if 0 < first.line <= len(self.lines) else ""
+        return ".".join(str(t) for t in items), Span(self.file, first.line, first.column, last.end_column, src)
+
+    @v_args(meta=True)
+    def arg(self, meta, items):
+        return Arg(items[0], self.span(meta))
 
     def selector(self, items):
         tok = items[0]
@@ -199,9 +221,16 @@ class _Build(Transformer):
 
     @v_args(meta=True)
     def op_call(self, meta, items):
-        name = items[0]
+        name, name_span = items[0]
         flags = tuple(i for i in items[1:] if isinstance(i, Flag))
-        return OpCall(str(name), flags, self.span(name))
+        args = tuple(i for i in items[1:] if isinstance(i, Arg))
+        seen_flag = False
+        for i in items[1:]:
+            seen_flag = seen_flag or isinstance(i, Flag)
+            if isinstance(i, Arg) and seen_flag:
+                raise SpecError("a positional value after a flag", i.span,
+                                hint="put the positional values first: hub(\"org/repo\", \"Layer\", version=1)")
+        return OpCall(name, flags, name_span, args)
 
     @v_args(meta=True)
     def rule(self, meta, items):
@@ -392,6 +421,7 @@ def _parse(text: str, file: str, ctx: _Ctx, base_dir: Path | None, chain: tuple[
             build(sub, first)
     dtypes: tuple[str, ...] = ()
     dtype_span = None
+    attention: AttentionDirective | None = None
     rules: list[Rule] = []
     defaults: list[DefaultDirective] = []
     includes: list[str] = []
@@ -414,8 +444,16 @@ def _parse(text: str, file: str, ctx: _Ctx, base_dir: Path | None, chain: tuple[
             defaults.extend(sub.defaults)
             if sub.dtypes and not dtypes:
                 dtypes, dtype_span = sub.dtypes, sub.dtype_span
+            if sub.attention is not None and attention is None:
+                attention = sub.attention
         elif kind == "default":
             defaults.append(item[1])
+        elif kind == "attention":
+            if attention is not None:
+                raise SpecError("'attention' given twice", item[1].span,
+                                notes=[("first given here", attention.span)],
+                                hint="a model has one attention implementation; keep one directive")
+            attention = item[1]
         else:
             ctx.rules += 1
             if ctx.rules > MAX_RULES:
@@ -426,7 +464,7 @@ def _parse(text: str, file: str, ctx: _Ctx, base_dir: Path | None, chain: tuple[
             rules.append(item[1])
     if depth == 0:
         rules = [replace(r, index=i) for i, r in enumerate(rules)]
-    return Spec(file, dtypes, tuple(rules), tuple(defaults), dtype_span, tuple(includes))
+    return Spec(file, dtypes, tuple(rules), tuple(defaults), dtype_span, tuple(includes), attention)
 
 
 def _include(name: str, span: Span, ctx: _Ctx, base_dir: Path | None, chain: tuple[str, ...],
