@@ -244,7 +244,8 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
             params = op.key_params(minfo, flags, dt, target)
             key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
             try:
-                validate_key(key)
+                if not op.external:         # external ops load a third-party kernel: nothing is rendered
+                    validate_key(key)
             except CodegenError as e:
                 raise SpecError(f"{path}: {e}", st["span"]) from None
             keys.append(key)
@@ -308,12 +309,13 @@ def plan(spec: Spec | str, model: Any, *, target: str | None = None,
     if target is None:
         from .codegen.env import target as _target
         target = _target()
+    checked = check_spec(spec)
     if isinstance(model, ModelIndex):
-        return plan_index(check_spec(spec), model, target=target, dtypes=dtypes)
+        return check_available(checked, plan_index(checked, model, target=target, dtypes=dtypes), None)
     # With the module tree at hand (meta device is fine) every check apply makes that needs no
     # weights runs now, so the plan shows what apply will refuse, and why.
-    return plan_index(check_spec(spec), build_index(model), target=target, dtypes=dtypes,
-                      check=model_checker(model))
+    p = plan_index(checked, build_index(model), target=target, dtypes=dtypes, check=model_checker(model))
+    return check_available(checked, p, type(model))
 
 
 # ---------------------------------------------------------------------------------- checks
@@ -501,7 +503,8 @@ def _load_site(i: int, d: Any, infos: Mapping[str, ModuleInfo], dtypes: tuple[st
         try:
             params = op.key_params(minfo, flags, dt, target)
             key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
-            validate_key(key)
+            if not op.external:
+                validate_key(key)
         except CodegenError as e:
             raise PlanError(f"{where}: {e}") from None
         except (KeyError, TypeError, ValueError, ArithmeticError) as e:
@@ -523,7 +526,7 @@ def _load_site(i: int, d: Any, infos: Mapping[str, ModuleInfo], dtypes: tuple[st
                 tuple(_text(r, f"{where}.rules", 400) for r in _list(d.get("rules", []), f"{where}.rules")),
                 _text(d.get("matched_by"), f"{where}.matched_by", 400), host, tuple(keys), covers,
                 _text(refused, f"{where}.refused", 1000), bool(d.get("optional", False) is True),
-                op.source(keys[0].param_dict) if keys else "")
+                _text(d.get("source", ""), f"{where}.source", 2000) if op.external else "")
 
 
 def _attention(d: Any) -> AttentionChoice | None:

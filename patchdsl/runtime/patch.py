@@ -384,7 +384,7 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
         if plan.attention is not None:
             # the model's attention implementation, on this instance only (see ops/attention_impl.py)
             for obj, attr, value in plan.attention.install(model):
-                _set(handle, obj, attr, value)
+                _set(handle, None, obj, attr, value)
     except BaseException:
         handle.undo()
         raise

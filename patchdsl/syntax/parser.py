@@ -162,8 +162,8 @@ class _Build(Transformer):
     def op_name(self, meta, items):
         """``fused_rmsnorm`` or a dotted external op ``liger.rms_norm``: (name, span of the whole name)."""
         first, last = items[0], items[-1]
-        src = self.lines[first.line - 1] if 0 < first.line <= len(self.lines) else ""
-        return ".".join(str(t) for t in items), Span(self.file, first.line, first.column, last.end_column, src)
+        s = self.span(first)
+        return ".".join(str(t) for t in items), Span(self.file, s.line, s.col, last.end_column, s.source_line)
 
     @v_args(meta=True)
     def arg(self, meta, items):
