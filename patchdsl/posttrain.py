@@ -41,6 +41,38 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **kwargs)
 
 
+def patch_trainer(trainer: Any, spec: Any, **apply_kwargs: Any) -> list:
+    """Apply ``spec`` to a built TRL trainer's policy (the PEFT base model when wrapped) and its
+    ``ref_model``; returns the :class:`~patchdsl.runtime.patch.PatchHandle` of each (undo them to
+    restore TRL's own fused head).
+
+    Call it after constructing the trainer (TRL installs its fused LM head in ``__init__``;
+    patchdsl's forward wraps it).  Under mixed precision accelerate has already wrapped the
+    reference model's forward in autocast when the trainer was built; patching replaces that
+    forward, so the autocast is put back around patchdsl's (the policy is prepared later, in
+    ``train()``, and keeps its own).
+    """
+    from .runtime.patch import _set, apply
+
+    model = trainer.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    handles = [apply(spec, base, **apply_kwargs)]
+    ref = getattr(trainer, "ref_model", None)
+    if ref is not None:
+        h = apply(spec, ref, **apply_kwargs)
+        acc = getattr(trainer, "accelerator", None)
+        if acc is not None and getattr(acc, "native_amp", False) and "_original_forward" in ref.__dict__:
+            fused = ref.forward
+
+            def forward_under_autocast(*args: Any, **kwargs: Any) -> Any:
+                with acc.autocast():
+                    return fused(*args, **kwargs)
+
+            _set(h, ref, "forward", forward_under_autocast)
+        handles.append(h)
+    return handles
+
+
 def sequence_logps(per_token_logps: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of the per-token log-probs over each sequence (masked positions already give 0)."""
     if mask is not None:

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import patchdsl
-from patchdsl.posttrain import completion_labels, dpo_loss, grpo_loss, sequence_logps, token_logprobs
+from patchdsl.posttrain import (completion_labels, dpo_loss, grpo_loss, patch_trainer, sequence_logps,
+                                token_logprobs)
 
 from .families import tiny_model
 
@@ -216,7 +217,7 @@ def run_dpo(tmp_path, patch):
                      disable_tqdm=True, seed=0, max_length=32, bf16=False)
     trainer = Recorder(model=model, ref_model=ref, args=args, train_dataset=preference_data(4),
                        processing_class=word_tokenizer())
-    handles = [patched(trainer.model), patched(trainer.ref_model)] if patch else []
+    handles = patch_trainer(trainer, SPEC.format(t=1.0), strict=True) if patch else []
     trainer.train()
     assert trl.__version__
     return torch.stack(losses), {k: v.detach().clone() for k, v in model.named_parameters()}, handles
@@ -295,3 +296,36 @@ def test_grpo_loss_on_recorded_rollouts_patched_matches_unpatched(tmp_path, loss
         mine = mine / trainer.current_gradient_accumulation_steps
     assert math.isclose(mine.item(), got[0].item(), rel_tol=1e-5, abs_tol=1e-7)
     assert torch.allclose(sequence_logps(lp, c_mask), (lp * c_mask).sum(-1))
+
+
+def test_patch_trainer_keeps_the_reference_models_autocast(tmp_path):
+    """bf16 mixed precision: accelerate wrapped the reference model's forward in autocast when the
+    trainer was built; after patch_trainer the reference still runs under it (as TRL's does)."""
+    pytest.importorskip("trl")
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[],
+                     save_strategy="no", disable_tqdm=True, max_length=32, bf16=True)
+    trainer = DPOTrainer(model=tiny_model("qwen3", seed=3), ref_model=tiny_model("qwen3", seed=3), args=args,
+                         train_dataset=preference_data(2), processing_class=word_tokenizer())
+    batch = next(iter(trainer.get_train_dataloader()))
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    labels = completion_labels(ids, batch["completion_mask"])
+
+    def ref_logps():
+        with torch.no_grad():
+            return trainer.ref_model(input_ids=ids, attention_mask=am, labels=labels, fused_lm_head=True).log_probs
+
+    seen = []          # the dtype of a backbone matmul's output: bfloat16 under autocast
+    hook = trainer.ref_model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+    trl_bf16 = ref_logps()
+    handles = patch_trainer(trainer, "dtype bf16, fp32\nlm_head: Linear -> fused_linear_logprobs\n", strict=True)
+    ours = ref_logps()
+    hook.remove()
+    assert [h.patched for h in handles] == [["lm_head"], ["lm_head"]]
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    m = labels[:, 1:] != -100
+    assert (ours - trl_bf16)[m].abs().max() < 0.1           # both bf16: within bf16 rounding of each other
+    for h in reversed(handles):
+        h.undo()
+    assert torch.equal(ref_logps(), trl_bf16)
