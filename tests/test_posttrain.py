@@ -69,6 +69,12 @@ def test_token_logprobs_match_float64():
         assert err < 1e-5, (name, err.item())
     assert torch.equal(out.label_mask, m)
     assert torch.allclose(out.loss.double(), -lp.sum() / m.sum(), rtol=1e-5)
+    # shift_labels (context parallelism): already shifted, scored as given, over every position
+    shifted = F.pad(tgt, (0, 1), value=-100)
+    with torch.no_grad():
+        sh = model(input_ids=ids, attention_mask=am, shift_labels=shifted, fused_lm_head=True)
+    assert sh.log_probs.shape == ids.shape and torch.count_nonzero(sh.log_probs[:, -1]) == 0
+    assert torch.allclose(sh.log_probs[:, :-1], out.log_probs.detach(), atol=1e-6)
     # eval + no_grad (a reference model): the same values, no graph
     model.eval()
     with torch.no_grad():
