@@ -99,6 +99,7 @@ SPECS = {
     "fused_qk_norm_rope": "*.self_attn: Attention -> fused_qk_norm_rope\n",
     "fused_cross_entropy": "lm_head: Linear -> fused_cross_entropy\n",
     "fused_linear_cross_entropy": "lm_head: Linear -> fused_linear_cross_entropy(chunk=16)\n",
+    "fused_linear_logprobs": "lm_head: Linear -> fused_linear_logprobs(chunk=16)\n",
 }
 
 
@@ -268,6 +269,16 @@ ALL_MUTATIONS = [
              dtype="fp32", expect=("grad_weight",)),
     Mutation("fused_linear_cross_entropy", "grad_not_divided_by_token_count",
              (Edit(r"^\s*g = g \* scale\n", "", CE_ROW),), expect=("grad_input", "grad_weight")),
+    # ---- fused_linear_logprobs (verify's training call with labels: the loss from the log-probs;
+    #      22 shifted rows in chunks of 16: two chunks; no ignored target reaches the kernel here, so
+    #      ignore_index handling is covered by tests/kernels/test_linear_logprobs.py instead)
+    Mutation("fused_linear_logprobs", "logprob_not_normalised",
+             (Edit(r"zt - lse\)", "zt - m)", r"^def logprob_fwd_"),), expect=("loss",)),
+    Mutation("fused_linear_logprobs", "target_grad_sign",
+             (Edit(r"g \+ g_lp, g\)", "g - g_lp, g)", r"^def logprob_bwd_"),), expect=("grad_input", "grad_weight")),
+    Mutation("fused_linear_logprobs", "grad_w_first_chunk_only",
+             (Edit(r"^(\s*)if need_w:\n", r"\1if need_w and s == 0:\n", r"^def linear_logprobs_backward\("),),
+             dtype="fp32", expect=("grad_weight",)),
     # ---- fused_swiglu (intermediate 80: one block of 128, masked tail)
     Mutation("fused_swiglu", "dgate_sign",
              (Edit(r"s \* \(1\.0 \+ g \* \(1\.0 - s\)\)", "s * (1.0 - g * (1.0 - s))",

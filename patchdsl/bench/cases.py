@@ -811,6 +811,87 @@ class LinearCrossEntropyFamily(Family):
         return cce_linear_cross_entropy
 
 
+class LinearLogprobsFamily(LinearCrossEntropyFamily):
+    """Per-token log-prob of the targets and entropy from hidden states + lm_head (temperature 1),
+    with a random upstream gradient for each (what DPO/GRPO losses feed back)."""
+
+    def make_dys(self, shape, dtype, device, g):
+        n = shape["tokens"]
+        return [_randn(g, (n,), device, _f32()), _randn(g, (n,), device, _f32(), 0.1)]
+
+    def reference(self, params, act, dys):
+        import torch
+
+        h = act["hidden"].detach().double()
+        w = params["weight"].detach().double()
+        y = act["labels"]
+        ok = y != IGNORE_INDEX
+        g_lp, g_ent = (d.double() for d in dys)
+        n, v = h.shape[0], w.shape[0]
+        lp = torch.zeros(n, dtype=torch.float64, device=h.device)
+        ent = torch.zeros_like(lp)
+        dh = torch.empty_like(h)
+        dw = torch.zeros_like(w)
+        step = _ce_chunk_rows(v)
+        for i in range(0, n, step):
+            hc, yc, okc = h[i:i + step], y[i:i + step], ok[i:i + step]
+            z = hc @ w.T
+            ls = z.log_softmax(-1)
+            p = ls.exp()
+            del z
+            e = -(p * ls).sum(-1)
+            lt = ls.gather(1, yc.clamp(min=0)[:, None])[:, 0]
+            lp[i:i + step] = torch.where(okc, lt, 0.0)
+            ent[i:i + step] = torch.where(okc, e, 0.0)
+            # d lp/dz = onehot - p;  d ent/dz = -p (z - E[z]) = p (ls + ent)   (z - E[z] = ls + H)
+            gl = torch.where(okc, g_lp[i:i + step], 0.0)[:, None]
+            ge = torch.where(okc, g_ent[i:i + step], 0.0)[:, None]
+            dz = -p * gl - ge * p * (ls + e[:, None])
+            del ls, p
+            dz.scatter_add_(1, yc.clamp(min=0)[:, None], gl)
+            dh[i:i + step] = dz @ w
+            dw += dz.T @ hc
+            del dz
+        return (lp, ent), {"hidden": _store(dh), "weight": _store(dw)}
+
+    def nbytes(self, shape, esize):
+        n, h, v = shape["tokens"], shape["hidden"], shape["vocab"]
+        io = (n * h + v * h) * esize
+        return {"fwd": io + 16 * n, "bwd": 2 * io + 24 * n, "fwd_bwd": 2 * io + 24 * n}
+
+    def nflops(self, shape):
+        n, h, v = shape["tokens"], shape["hidden"], shape["vocab"]     # the backward recomputes the logits
+        return {"fwd": 2.0 * n * h * v, "bwd": 6.0 * n * h * v, "fwd_bwd": 8.0 * n * h * v}
+
+    def hf(self, params, shape):
+        import torch
+
+        lm_head = torch.nn.Linear(shape["hidden"], shape["vocab"], bias=False, device="meta")
+        lm_head.weight = params["weight"]
+
+        def hf_linear_logprobs(hidden, labels):    # TRL without its fused head: logits, log_softmax, gather
+            logits = lm_head(hidden).float()
+            ls = logits.log_softmax(-1)
+            ok = labels != IGNORE_INDEX
+            lp = ls.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
+            ent = -(ls.exp() * ls).sum(-1)
+            return torch.where(ok, lp, 0.0), torch.where(ok, ent, 0.0)
+
+        return hf_linear_logprobs
+
+    def liger(self, params, shape):
+        raise Unavailable("Liger-Kernel has no per-token log-prob op (its chunked DPO/GRPO losses fuse the loss)")
+
+    def cce(self, params, shape):
+        raise Unavailable("Cut Cross-Entropy has no per-token log-prob op")
+
+
+def _f32():
+    import torch
+
+    return torch.float32
+
+
 # ----------------------------------------------------------------------------- the table
 _ROW_SWEEP = [{"tokens": t, "hidden": h} for h in (1024, 2048, 4096) for t in (4096, 16384)
               if (t, h) != (16384, 1024)]
@@ -891,5 +972,15 @@ def families() -> dict[str, Family]:
             sweep=[{"tokens": 4096, "hidden": 2048, "vocab": 128256}, {"tokens": 16384, "hidden": 4096, "vocab": 128256}],
             tiny=[{"tokens": 6, "hidden": 32, "vocab": 300}], peers=("hf", "compile", "liger", "cce"),
             target_note="fwd+bwd <= 23 ms and <= 64 MB extra peak at 16384x1024x151936"),
+        LinearLogprobsFamily(
+            "linear_logprobs", "fused_linear_logprobs", "lm_head matmul + per-token log-prob and entropy",
+            ("hidden", "labels"), ("hidden",), ("weight",), ("logprob", "entropy"),
+            ("linear_logprobs",),
+            {"hidden": ("hidden", "h", "x", "hidden_states", "input"),
+             "weight": ("weight", "w", "W", "lm_head_weight"), "bias": ("bias", "b", "lm_head_bias"),
+             "labels": ("labels", "targets", "target", "y")}, ("hidden", "weight", "labels"),
+            issue=[{"tokens": 4096, "hidden": 1024, "vocab": 151936, "label": "4096x1024x151936 (qwen3-0.6b)"}],
+            sweep=[{"tokens": 16384, "hidden": 1024, "vocab": 151936}, {"tokens": 8192, "hidden": 4096, "vocab": 128256}],
+            tiny=[{"tokens": 6, "hidden": 32, "vocab": 300}], peers=("hf", "compile")),
     ]
     return {f.name: f for f in fams}

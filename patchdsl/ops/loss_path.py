@@ -1,4 +1,5 @@
-"""The causal-LM loss path shared by ``fused_linear_cross_entropy`` and ``fused_cross_entropy``.
+"""The causal-LM loss path shared by ``fused_linear_cross_entropy``, ``fused_cross_entropy`` and
+``fused_linear_logprobs`` (its forward: :func:`make_logprobs_forward`).
 
 Both ops are selected on ``lm_head`` but act on the causal LM that owns it (the *host*: the
 nearest ancestor with the ``CausalLM`` kind, the root ``""`` for Hugging Face models).
@@ -250,6 +251,11 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
         scaling = getattr(cfg, "logits_scaling", None)
         if scaling not in (None, 1, 1.0) and not shape.applies_scaling:
             return "config.logits_scaling is set but the forward does not divide the logits by it"
+    if op == "fused_linear_logprobs" and (
+            (shape.applies_softcap and getattr(cfg, "final_logit_softcapping", None))
+            or (shape.applies_scaling and getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0))):
+        return ("the forward transforms the logits (final_logit_softcapping / logits_scaling), which "
+                "fused_linear_logprobs does not reproduce")
     return None
 
 
@@ -463,3 +469,135 @@ def make_loss_function(kernels: Callable, flags: Mapping[str, Any], original: Ca
 
 def install_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str) -> list:
     return [(host, "forward", types.MethodType(make_forward(host, kernels, flags, mode), host))]
+
+
+# --------------------------------------------------------------------------- per-token log-probs
+_FUSED_OUTPUT: list = []
+
+FUSED_FIELDS = ("loss", "log_probs", "entropy", "lse", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask",
+                "aux_loss", "logits", "past_key_values", "hidden_states", "attentions")
+
+
+def fused_output_cls() -> type:
+    """The output of ``model(..., labels=..., fused_lm_head=True)`` on a model patched with
+    ``fused_linear_logprobs``: TRL's ``FusedCausalLMOutput`` fields plus ``lse`` and the usual
+    ``logits`` (None), ``past_key_values``, ``hidden_states``, ``attentions``.
+
+    Every per-token field has the shape of the shifted labels ((batch, seq - 1), or (batch, seq)
+    with ``shift_labels``) and is 0 where the label is ignored:
+    ``log_probs`` log p(label), ``entropy`` H(p), ``lse`` logsumexp of the temperature-scaled
+    logits (these three carry gradients); ``log_sum_sq_probs`` log sum p^2, ``mean_logits`` the
+    mean temperature-scaled logit, ``is_top1`` whether the label is the argmax, ``label_mask``
+    label != ignore_index (no gradient).  ``loss`` = -sum(log_probs) / num_items_in_batch (the
+    number of labels that are not ignored when not given).
+    """
+    if not _FUSED_OUTPUT:
+        import dataclasses
+        from typing import Optional
+
+        import torch
+        from transformers.utils import ModelOutput
+
+        cls = dataclasses.make_dataclass(
+            "FusedLogprobsOutput", [(f, Optional[Any], dataclasses.field(default=None)) for f in FUSED_FIELDS],
+            bases=(ModelOutput,), namespace={"__module__": __name__, "__doc__": fused_output_cls.__doc__})
+        del torch
+        _FUSED_OUTPUT.append(cls)
+    return _FUSED_OUTPUT[0]
+
+
+def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]) -> Callable:
+    """The replacement forward of ``fused_linear_logprobs`` (see its module docstring).
+
+    ``fused_lm_head=True`` (train or eval, grad or not): run ``self.model`` with every other
+    argument, slice by ``logits_to_keep`` as HF does, shift the labels (or take ``shift_labels``
+    as given), and return :func:`fused_output_cls` from the generated kernels at the flag's
+    temperature.  Training with labels and grad, without ``fused_lm_head``: the HF loss from the
+    same kernels (temperature 1), the host's own output class with ``logits=None``.  Otherwise the
+    original forward (an instance forward installed before, e.g. TRL's, is wrapped).
+    """
+    import torch
+
+    shape = forward_shape(type(host))
+    sig = inspect.signature(shape.func)
+    var_kw = shape.var_kw
+    prev = host.__dict__.get("forward")
+    ignore = int(flags.get("ignore_index", -100))
+    temperature = float(flags.get("temperature", 1.0))
+    supported = {torch.float32, torch.bfloat16, torch.float16}
+
+    def original(self, *args, **kwargs):
+        if prev is not None:
+            return prev(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        fused = bool(kwargs.get("fused_lm_head", False))
+        if not fused and not (self.training and torch.is_grad_enabled()):
+            return original(self, *args, **kwargs)
+        kw = dict(kwargs)
+        kw.pop("fused_lm_head", None)
+        try:
+            bound = sig.bind(self, *args, **kw)
+        except TypeError:
+            return original(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        a.pop("self", None)
+        extra = dict(a.pop(var_kw, {}) or {}) if var_kw else {}
+        labels = a.get("labels")
+        shift = extra.pop("shift_labels", None)
+        num_items = extra.pop("num_items_in_batch", None)
+        lm = unwrap(self.lm_head)
+        if (labels is None and shift is None) or extra.get("ignore_index", ignore) != ignore \
+                or lm.weight.dtype not in supported:
+            if fused:
+                raise ValueError("fused_lm_head=True needs labels (or shift_labels), ignore_index="
+                                 f"{ignore} and a float32/bfloat16/float16 lm_head (patchdsl fused_linear_logprobs)")
+            return original(self, *args, **kwargs)
+        extra.pop("ignore_index", None)
+        a.pop("labels", None)
+        logits_to_keep = a.pop("logits_to_keep", 0)
+        return_dict = getattr(self.config, "return_dict", True)
+        rd = a.pop("return_dict", None) if "return_dict" in a else extra.pop("return_dict", None)
+        if rd is not None:
+            return_dict = rd
+        if fused:
+            if "use_cache" in a:
+                a["use_cache"] = False
+            else:
+                extra["use_cache"] = False
+        outputs = self.model(**a, **extra)
+        hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+        hidden = slice_hidden(hidden, logits_to_keep)
+        if shift is None:
+            hidden, targets = hidden[:, :-1], labels[..., 1:]
+        else:
+            targets = shift
+        targets = targets.to(hidden.device)
+        w, b = lm.weight, lm.bias
+        dev = hidden.device.type
+        if torch.is_autocast_enabled(dev):          # lm_head(...) would run in the autocast dtype
+            dt = torch.get_autocast_dtype(dev)
+            w = w.to(dt)
+            b = b.to(dt) if b is not None else None
+        mod = kernels(w.dtype)
+        t = temperature if fused else 1.0
+        lp, ent, lse, mean, lssq, top1 = mod.linear_logprobs(hidden, w, b, targets, t)
+        mask = targets != ignore
+        denom = mask.sum().clamp(min=1) if num_items is None else num_items
+        loss = -lp.sum() / denom
+        rest = {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None))
+                for f in shape.output_fields}
+        if fused:
+            out = fused_output_cls()(loss=loss, log_probs=lp, entropy=ent, lse=lse, log_sum_sq_probs=lssq,
+                                     mean_logits=mean, is_top1=top1, label_mask=mask,
+                                     **{k: v for k, v in rest.items() if k in FUSED_FIELDS})
+        else:
+            out = shape.output_cls(loss=loss, logits=None, **rest)
+        return out if return_dict else out.to_tuple()
+
+    forward.__doc__ = (f"{type(host).__name__}.forward with fused per-token log-probs (patchdsl "
+                       "fused_linear_logprobs): fused_lm_head=True returns them; a training call with labels "
+                       "gets the loss from them.")
+    return forward

@@ -1,0 +1,160 @@
+"""Preference and RL losses on per-token log-probabilities from ``fused_linear_logprobs``.
+
+A causal LM patched with ``lm_head: Linear -> fused_linear_logprobs`` answers
+``model(input_ids=..., attention_mask=..., labels=labels, fused_lm_head=True)`` with per-token
+``log_probs`` / ``entropy`` / ``lse`` (and ``logits=None``) without materialising the logits
+(:func:`token_logprobs` wraps that call).  The functions here turn those into the losses TRL
+computes, with TRL's formulas (trl 1.x ``DPOTrainer._compute_loss`` loss_type ``"sigmoid"``,
+``GRPOTrainer._compute_loss`` loss types ``grpo`` / ``bnpo`` / ``dr_grpo`` / ``dapo``), so that the
+numbers match TRL's within rounding; ``tests/test_posttrain.py`` checks them against a float64
+re-implementation and against TRL's own trainers.  See docs/post-training.md.
+
+Everything is plain tensor arithmetic (no ``.item()``, no host synchronisation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def completion_labels(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """``input_ids`` with every position outside the completion set to -100 (TRL's labels)."""
+    return input_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
+
+
+def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   completion_mask: torch.Tensor | None = None, **kwargs: Any):
+    """Per-token outputs of a model patched with ``fused_linear_logprobs``.
+
+    Returns the model's ``FusedLogprobsOutput``: ``log_probs``, ``entropy``, ``lse`` ... of shape
+    (batch, seq - 1); position t scores ``input_ids[:, t + 1]``, and is 0 where that token is
+    outside ``completion_mask`` (all tokens when it is None) or is padding.
+    """
+    mask = attention_mask if completion_mask is None else completion_mask
+    labels = input_ids if mask is None else completion_labels(input_ids, mask)
+    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **kwargs)
+
+
+def patch_trainer(trainer: Any, spec: Any, **apply_kwargs: Any) -> list:
+    """Apply ``spec`` to a built TRL trainer's policy (the PEFT base model when wrapped) and its
+    ``ref_model``; returns the :class:`~patchdsl.runtime.patch.PatchHandle` of each (undo them to
+    restore TRL's own fused head).
+
+    Call it after constructing the trainer (TRL installs its fused LM head in ``__init__``;
+    patchdsl's forward wraps it).  Under mixed precision accelerate has already wrapped the
+    reference model's forward in autocast when the trainer was built; patching replaces that
+    forward, so the autocast is put back around patchdsl's (the policy is prepared later, in
+    ``train()``, and keeps its own).
+    """
+    from .runtime.patch import _set, apply
+
+    model = trainer.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    handles = [apply(spec, base, **apply_kwargs)]
+    ref = getattr(trainer, "ref_model", None)
+    if ref is not None:
+        h = apply(spec, ref, **apply_kwargs)
+        acc = getattr(trainer, "accelerator", None)
+        if acc is not None and getattr(acc, "native_amp", False) and "_original_forward" in ref.__dict__:
+            fused = ref.forward
+
+            def forward_under_autocast(*args: Any, **kwargs: Any) -> Any:
+                with acc.autocast():
+                    return fused(*args, **kwargs)
+
+            _set(h, ref, "forward", forward_under_autocast)
+        handles.append(h)
+    return handles
+
+
+def sequence_logps(per_token_logps: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of the per-token log-probs over each sequence (masked positions already give 0)."""
+    if mask is not None:
+        per_token_logps = per_token_logps * mask
+    return per_token_logps.sum(-1)
+
+
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0):
+    """DPO's sigmoid loss: ``mean(-logsigmoid(beta * delta))`` with
+    ``delta = (chosen - ref_chosen) - (rejected - ref_rejected)`` (sequence log-probs).
+
+    ``label_smoothing = eps > 0`` gives the conservative DPO (cDPO) form
+    ``-(1 - eps) logsigmoid(beta delta) - eps logsigmoid(-beta delta)`` (TRL's ``aot``/``robust``
+    neighbours use the same two terms; trl < 1.0 applied it to ``sigmoid``); eps = 0 is exactly
+    trl 1.x's ``sigmoid``.  Returns ``(loss, chosen_rewards, rejected_rewards)`` with the rewards
+    ``beta * logratio`` detached, as TRL logs them.
+    """
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    delta = chosen_logratios - rejected_logratios
+    losses = -F.logsigmoid(beta * delta)
+    if label_smoothing:
+        losses = losses * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
+    return losses.mean(), (beta * chosen_logratios).detach(), (beta * rejected_logratios).detach()
+
+
+def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor,
+              old_per_token_logps: torch.Tensor | None = None, ref_per_token_logps: torch.Tensor | None = None,
+              beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float | None = None,
+              loss_type: str = "dapo", num_items_in_batch: Any = None, max_completion_length: int | None = None,
+              delta: float | None = None, kl_bias_correction: bool = True) -> torch.Tensor:
+    """GRPO's clipped surrogate with an optional KL term, aggregated per ``loss_type`` as TRL does.
+
+    Token-level importance sampling: ``r = exp(logp - old_logp)`` (``old`` = ``logp.detach()`` when
+    not given, i.e. one iteration per generation), per-token loss
+    ``-min(r A, clamp(r, 1 - epsilon_low, 1 + epsilon_high) A)`` (``r`` first clamped to ``delta``
+    when given: two-sided clipping), plus ``beta * (exp(ref - logp) - (ref - logp) - 1)`` when
+    ``beta != 0``, times ``r`` when ``kl_bias_correction`` (trl 1.x's ``use_bias_correction_kl``,
+    default True: the unbiased reverse-KL gradient off-policy).  Aggregation over ``completion_mask``:
+
+    * ``grpo``: mean over sequences of each sequence's token mean;
+    * ``bnpo``: sum / number of completion tokens;
+    * ``dr_grpo``: sum / (batch * max_completion_length);
+    * ``dapo``: sum / ``num_items_in_batch`` (the completion-token count of the whole generation
+      batch; default: this batch's count).
+
+    TRL also divides by the gradient-accumulation steps (and, for dapo, rescales
+    ``num_items_in_batch`` to one accumulation window); that is the trainer's bookkeeping, not the
+    loss: pass the normaliser you want.  ``advantages`` is (batch,) or (batch, tokens).
+    """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r} is not one of {', '.join(GRPO_LOSS_TYPES)}")
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    coef_1 = torch.exp(per_token_logps - old)
+    kl_weight = coef_1
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if beta != 0.0:
+        if ref_per_token_logps is None:
+            raise ValueError("beta != 0 needs ref_per_token_logps")
+        d = ref_per_token_logps - per_token_logps
+        kl = torch.exp(d) - d - 1
+        if kl_bias_correction:
+            kl = kl * kl_weight
+        per_token_loss = per_token_loss + beta * kl
+    mask = completion_mask.to(per_token_loss.dtype)
+    masked = per_token_loss * mask
+    if loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        return masked.sum() / (per_token_loss.size(0) * max_completion_length)
+    denom = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    if torch.is_tensor(denom):
+        denom = denom.clamp(min=1.0)
+    return masked.sum() / denom
