@@ -92,7 +92,9 @@ def test_opcheck_runs_cover_every_op():
     covered = set()
     for build, spec in OPCHECK_RUNS.values():
         covered |= {r.op.name for r in _spec(spec).rules}
-    assert covered == set(ops()), sorted(set(ops()) - covered)
+    generated = {name for name, op in ops().items() if not op.external}   # hub/liger: third-party kernels
+    # fused_linear_logprobs has no custom op yet: its entry is torch.compiler.disable'd (a graph break)
+    assert covered == generated - {"fused_linear_logprobs"}, sorted(generated - covered)
 
 
 def _snapshot(x, grad: bool):
