@@ -68,7 +68,7 @@ def patch_trainer(trainer: Any, spec: Any, **apply_kwargs: Any) -> list:
                 with acc.autocast():
                     return fused(*args, **kwargs)
 
-            _set(h, ref, "forward", forward_under_autocast)
+            _set(h, None, ref, "forward", forward_under_autocast)
         handles.append(h)
     return handles
 

@@ -133,6 +133,9 @@ class Op:
     template: ClassVar[str]                   # file name under templates/
     flags: ClassVar[tuple[FlagSpec, ...]] = ()
     covers: ClassVar[tuple[str, ...]] = ()    # child modules whose work this op fuses in
+    # True when the op's replacement forward calls a forward already set on the instance (TRL's
+    # fused LM head, for fused_linear_logprobs): the runtime then lets it wrap that forward
+    wraps_instance_forward: ClassVar[bool] = False
     doc: ClassVar[str] = ""
     # External ops (patchdsl/ops/external.py): a third-party kernel (a Hub kernel layer, an
     # installed Liger-Kernel op) loaded by ``load`` instead of a generated one.  They plan, patch,

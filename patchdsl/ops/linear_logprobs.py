@@ -25,6 +25,7 @@ from .registry import register
 
 
 class FusedLinearLogprobs(Op):
+    wraps_instance_forward = True      # answers TRL's fused_lm_head calls over the forward TRL installs
     name = "fused_linear_logprobs"
     kinds = ("Linear",)
     template = "fused_linear_logprobs.py.j2"

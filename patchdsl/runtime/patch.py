@@ -362,7 +362,7 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
             if reason is None:
                 kernels = kernel_getter(op, info, flags, target, list(plan.dtypes) if preload else [])
                 for obj, attr, value in op.install(host, kernels, flags, info):
-                    if attr == "forward":
+                    if attr == "forward" and not op.wraps_instance_forward:
                         attr, why = _forward_slot(obj)
                         if why:
                             reason = why
@@ -412,7 +412,7 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
     preload = [info.dtype] if info.dtype in ("fp32", "bf16", "fp16") else []
     kernels = kernel_getter(op, info, resolved, target, preload)
     for obj, attr, value in op.install(module, kernels, resolved, info):
-        if attr == "forward":
+        if attr == "forward" and not op.wraps_instance_forward:
             attr, why = _forward_slot(obj)
             if why:
                 handle.undo()

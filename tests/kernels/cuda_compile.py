@@ -195,6 +195,13 @@ def _stub_cuda_queries():
         multi_processor_count=132, name="NVIDIA H200 (stub)", total_memory=141 * 2**30)
 
 
+def _generated_ops():
+    """The registered ops whose kernels patchdsl generates (external hub/liger ops load third-party ones)."""
+    from patchdsl.ops.registry import ops
+
+    return [op for op in ops().values() if not op.external]
+
+
 def _no_matmul_mode():
     """A dispatch mode under which matrix products return zeros of the right shape, dtype and device
     instead of being computed.  The recording run needs only the shapes and dtypes that reach the
@@ -265,9 +272,9 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
             vocab = model.config.vocab_size
             ids = torch.randint(0, vocab, (2, 8))
             embeds = torch.full((2, 8, model.config.hidden_size), 0.01, dtype=model.dtype, requires_grad=True)
-            passes = [(op, {}) for op in ops().values()]
+            passes = [(op, {}) for op in _generated_ops()]
             if flag_variants_too and dtype == dtypes[0]:
-                passes += [(op, fv) for op in ops().values() for fv in flag_variants(op)]
+                passes += [(op, fv) for op in _generated_ops() for fv in flag_variants(op)]
             for op, overrides in passes:
                 undo, sites = [], []
                 flags = resolved_flags(op, overrides)
