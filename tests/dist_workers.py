@@ -11,7 +11,9 @@ import json
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# (also imported by tests/test_distributed.py: never switch a GPU process over to the interpreter)
+import patchdsl  # noqa: E402,F401  (its import switches the interpreter on when there is no GPU)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
