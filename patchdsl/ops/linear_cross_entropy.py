@@ -35,6 +35,9 @@ def auto_chunk(vocab: int, dtype: str, target: str) -> int:
 
 
 class FusedLinearCrossEntropy(Op):
+    # the loss-path forward calls an instance-level forward it finds (accelerate's mixed-precision
+    # convert_outputs_to_fp32, TRL's head) for every call it does not compute itself
+    wraps_instance_forward = True
     name = "fused_linear_cross_entropy"
     loss_role = "fused_linear_cross_entropy"      # what loss_path checks the host for (shared with liger.* loss ops)
     kinds = ("Linear",)
