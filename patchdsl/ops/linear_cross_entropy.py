@@ -34,6 +34,38 @@ def auto_chunk(vocab: int, dtype: str, target: str) -> int:
     return chunk
 
 
+# The chunking flags of every op that runs the LM head chunk by chunk (linear CE, linear log-probs).
+CHUNK_FLAGS = (
+    FlagSpec("chunk", "int", "auto", "tokens per chunk; auto = the largest power of two whose logits "
+             "fit 640 MiB on the GPU (2048 at vocab 151,936 in bf16)", auto_ok=True, min=1),
+    FlagSpec("accumulate", "choice", "auto",
+             "grad_weight accumulation across chunks: fp32 (an fp32 copy of grad_weight) or weight "
+             "(the weight's dtype, in place); auto = fp32 when that copy is <= 64 MB",
+             choices=("fp32", "weight"), auto_ok=True),
+)
+
+
+def head_sizes(info: ModuleInfo) -> tuple[int, int, bool]:
+    """(vocab, hidden, bias) of the LM head a chunked op is planned on."""
+    from .loss_path import hidden_of, vocab_of
+
+    facts = info.facts("CausalLM")
+    bias = bool(facts["bias"]) if facts else bool(info.facts("Linear").get("bias"))
+    return vocab_of(info), hidden_of(info), bias
+
+
+def chunk_params(vocab: int, hidden: int, flags: Mapping[str, Any], dtype: str, target: str) -> tuple[int, str]:
+    """(tokens per chunk, grad_weight accumulation) from the CHUNK_FLAGS."""
+    chunk = flags.get("chunk", "auto")
+    chunk = auto_chunk(vocab, dtype, target) if chunk == "auto" else int(chunk)
+    acc = flags.get("accumulate", "auto")
+    if acc == "auto":
+        acc = "fp32" if vocab * hidden * 4 <= FP32_ACC_BUDGET else "weight"
+    if dtype == "fp32":
+        acc = "weight"      # same thing: the weight is fp32
+    return chunk, acc
+
+
 class FusedLinearCrossEntropy(Op):
     # the loss-path forward calls an instance-level forward it finds (accelerate's mixed-precision
     # convert_outputs_to_fp32, TRL's head) for every call it does not compute itself
@@ -48,14 +80,7 @@ class FusedLinearCrossEntropy(Op):
         FlagSpec("softcap", "float", "auto",
                  "final-logit softcapping cap*tanh(logits/cap); auto = the config's final_logit_softcapping "
                  "(Gemma); must match what the model's forward does", auto_ok=True, none_ok=True, min=0.0),
-    ) + LOSS_FLAGS[3:] + (
-        FlagSpec("chunk", "int", "auto", "tokens per chunk; auto = the largest power of two whose logits "
-                 "fit 640 MiB on the GPU (2048 at vocab 151,936 in bf16)", auto_ok=True, min=1),
-        FlagSpec("accumulate", "choice", "auto",
-                 "grad_weight accumulation across chunks: fp32 (an fp32 copy of grad_weight) or weight "
-                 "(the weight's dtype, in place); auto = fp32 when that copy is <= 64 MB",
-                 choices=("fp32", "weight"), auto_ok=True),
-    )
+    ) + LOSS_FLAGS[3:] + CHUNK_FLAGS
 
     def misfit(self, info: ModuleInfo, index: Any) -> str | None:
         from .loss_path import lm_head_misfit
@@ -66,18 +91,11 @@ class FusedLinearCrossEntropy(Op):
         return causal_lm_host(info, index)
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
-        from .loss_path import hidden_of, resolve_scaling, resolve_softcap, vocab_of
+        from .loss_path import resolve_scaling, resolve_softcap
         facts = info.facts("CausalLM")
-        vocab, hidden = vocab_of(info), hidden_of(info)
-        bias = bool(facts["bias"]) if facts else bool(info.facts("Linear").get("bias"))
+        vocab, hidden, bias = head_sizes(info)
         p = loss_params(vocab, flags, dtype, target, resolve_softcap(flags, facts), resolve_scaling(facts))
-        chunk = flags.get("chunk", "auto")
-        chunk = auto_chunk(vocab, dtype, target) if chunk == "auto" else int(chunk)
-        acc = flags.get("accumulate", "auto")
-        if acc == "auto":
-            acc = "fp32" if dtype == "fp32" or vocab * hidden * 4 <= FP32_ACC_BUDGET else "weight"
-        if dtype == "fp32":
-            acc = "weight"      # same thing: the weight is fp32
+        chunk, acc = chunk_params(vocab, hidden, flags, dtype, target)
         p.update({"hidden": hidden, "w_dtype": dtype, "bias": bias, "chunk": chunk, "accumulate": acc})
         return p
 

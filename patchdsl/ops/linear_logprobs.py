@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
 from .cross_entropy import ce_block, num_tag
-from .linear_cross_entropy import FP32_ACC_BUDGET, auto_chunk
+from .linear_cross_entropy import CHUNK_FLAGS, chunk_params, head_sizes
 from .registry import register
 
 
@@ -38,12 +38,7 @@ class FusedLinearLogprobs(Op):
         FlagSpec("ignore_index", "int", -100, "target value that gives 0 and no gradient (HF/TRL: -100)"),
         FlagSpec("temperature", "float", 1.0, "the logits are divided by this for `fused_lm_head=True` calls "
                  "(set it to TRL's GRPOConfig.temperature); the `labels` loss always uses 1", min=1e-6),
-        FlagSpec("chunk", "int", "auto", "tokens per chunk; auto = the largest power of two whose logits "
-                 "fit 640 MiB on the GPU (2048 at vocab 151,936 in bf16)", auto_ok=True, min=1),
-        FlagSpec("accumulate", "choice", "auto",
-                 "grad_weight accumulation across chunks: fp32 (an fp32 copy of grad_weight) or weight "
-                 "(the weight's dtype, in place); auto = fp32 when that copy is <= 64 MB",
-                 choices=("fp32", "weight"), auto_ok=True),
+        *CHUNK_FLAGS,
         FlagSpec("block", "int", "auto", "row block in elements (power of two); auto = by vocab size",
                  auto_ok=True, min=16),
     )
@@ -53,18 +48,9 @@ class FusedLinearLogprobs(Op):
         return causal_lm_host(info, index)
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
-        from .loss_path import hidden_of, vocab_of
-        facts = info.facts("CausalLM")
-        vocab, hidden = vocab_of(info), hidden_of(info)
-        bias = bool(facts["bias"]) if facts else bool(info.facts("Linear").get("bias"))
+        vocab, hidden, bias = head_sizes(info)
         block, _, warps = ce_block(vocab, flags, target)
-        chunk = flags.get("chunk", "auto")
-        chunk = auto_chunk(vocab, dtype, target) if chunk == "auto" else int(chunk)
-        acc = flags.get("accumulate", "auto")
-        if acc == "auto":
-            acc = "fp32" if vocab * hidden * 4 <= FP32_ACC_BUDGET else "weight"
-        if dtype == "fp32":
-            acc = "weight"      # same thing: the weight is fp32
+        chunk, acc = chunk_params(vocab, hidden, flags, dtype, target)
         return {"dtype": dtype, "w_dtype": dtype, "vocab": int(vocab), "hidden": int(hidden), "bias": bias,
                 "BLOCK": block, "n_tiles": -(-vocab // block), "num_warps": warps, "chunk": chunk,
                 "accumulate": acc, "ignore_index": int(flags.get("ignore_index", -100)),
