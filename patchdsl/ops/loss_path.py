@@ -356,6 +356,20 @@ def _apply_head_post(logits: Any, cfg: Any, shape: ForwardShape) -> Any:
     return logits
 
 
+def original_forward(host: Any) -> Callable:
+    """``original(self, *args, **kwargs)``: what ``host`` ran before it was patched: an instance-level
+    forward set earlier (accelerate's fp32 output wrapper, TRL's fused head) when there is one,
+    else its class's forward."""
+    prev = host.__dict__.get("forward")
+
+    def original(self, *args, **kwargs):
+        if prev is not None:
+            return prev(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+
+    return original
+
+
 def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str) -> Callable:
     """The replacement ``forward(self, *args, **kwargs)`` for the causal LM ``host``.
 
@@ -367,14 +381,9 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
     shape = forward_shape(type(host))
     bind = signature_binder(shape.sig)     # traceable by Dynamo, unlike sig.bind
     var_kw = shape.var_kw
-    prev = host.__dict__.get("forward")          # an instance-level forward we wrap, if any
+    original = original_forward(host)
     ignore = int(flags.get("ignore_index", -100))
     supported = {torch.float32, torch.bfloat16, torch.float16}
-
-    def original(self, *args, **kwargs):
-        if prev is not None:
-            return prev(*args, **kwargs)
-        return type(self).forward(self, *args, **kwargs)
 
     def forward(self, *args, **kwargs):
         if not (self.training and torch.is_grad_enabled()):
@@ -521,15 +530,10 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
     shape = forward_shape(type(host))
     sig = inspect.signature(shape.func)
     var_kw = shape.var_kw
-    prev = host.__dict__.get("forward")
+    original = original_forward(host)
     ignore = int(flags.get("ignore_index", -100))
     temperature = float(flags.get("temperature", 1.0))
     supported = {torch.float32, torch.bfloat16, torch.float16}
-
-    def original(self, *args, **kwargs):
-        if prev is not None:
-            return prev(*args, **kwargs)
-        return type(self).forward(self, *args, **kwargs)
 
     def forward(self, *args, **kwargs):
         fused = bool(kwargs.get("fused_lm_head", False))
