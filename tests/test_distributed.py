@@ -114,14 +114,12 @@ def test_fsdp2_two_processes_patched_trains_like_unpatched(fsdp2_run):
 
 
 def test_fsdp2_with_torch_compile_on_top(fsdp2_run):
-    """Patch, shard, then torch.compile(backend="aot_eager"): the unpatched losses.  Skipped (with
-    the error) only while compiling a patched model fails even without FSDP2 in this build."""
+    """Patch, shard, then torch.compile(backend="aot_eager"): the unpatched losses."""
     c = fsdp2_run["variants"]["patched+compile"]
     if "error" in c:
         why = compile_probe()
-        if why is None:
-            pytest.fail(f"torch.compile of the patched model works alone but not under FSDP2:\n{c['traceback']}")
-        pytest.skip(f"torch.compile of a patched model is not supported yet here ({why})")
+        where = "works alone but not under FSDP2" if why is None else f"fails even without FSDP2 ({why})"
+        pytest.fail(f"torch.compile of the patched model {where}:\n{c['traceback']}")
     assert c["compile_backend"] == "aot_eager"
     assert close(c["losses"], fsdp2_run["variants"]["unpatched"]["losses"])
 
