@@ -24,8 +24,9 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 555; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s): bench ops --sweep-only,
-# bench specialise, bench/profile_gpu.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS add arguments.
+# By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s): bench ops
+# --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
+# part, patchdsl vs Liger per family); SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
 #
 # Limits: T_<PART> (upper case), e.g. T_TESTS=60.  Variants and specs: QWEN3_VARIANTS, SPECS_VARIANTS,
 # E2E_STEPS (10).  DRY=1 writes the commands into bench.log instead of running them.  Hook scripts (f) run as `python3 bench/X.py` with PART_OUT set to a folder whose files
@@ -50,7 +51,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="sweep specialise profile"     # not in "all": the first round's other parts, by name only
+EXTRA="sweep specialise profile amdahl"     # not in "all": the first round's other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -133,6 +134,7 @@ for part in $PARTS; do
     sweep)   lim=$(limit sweep 300) ;;
     specialise) lim=$(limit specialise 120) ;;
     profile) lim=$(limit profile 90) ;;
+    amdahl) lim=$(limit amdahl 200) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -234,6 +236,12 @@ for part in $PARTS; do
       ;;
     profile)   # torch.profiler kernel tables, into bench.log
       run_part profile "$lim" python3 bench/profile_gpu.py ${PROF_ARGS:-}
+      ;;
+    amdahl)    # GPU time of one step by part, patchdsl vs Liger, per family: the bound on patchdsl/Liger
+      mkdir -p "$WORK/amdahl"
+      run_part amdahl "$lim" python3 bench/profile_gpu.py --what amdahl --out "$WORK/amdahl" \
+        --worker-timeout $(( lim / 6 > 20 ? lim / 6 : 20 )) ${AMDAHL_ARGS:-}
+      cat "$WORK"/amdahl/amdahl_*.txt >>"$WORK/summary.parts" 2>/dev/null
       ;;
   esac
   pack

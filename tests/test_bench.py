@@ -480,3 +480,35 @@ def test_sweep_start_skips_each_familys_first_sweep_shapes():
     assert all(shape != firsts[fam.name] for fam, _, shape, _ in later)
     issue = runner.units(runner.Options(groups=("issue",), impls=("patchdsl",), ops=("rmsnorm",), sweep_start=5))
     assert len(issue) == 1                                   # the issue shapes are never skipped
+
+
+def _profile_gpu():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "profile_gpu.py"
+    spec = importlib.util.spec_from_file_location("profile_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name, part", [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "aten"),
+    ("Memcpy DtoD (Device -> Device)", "aten"),
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<>", "aten"),
+    ("rmsnorm_fwd_h1024", "replaced ops"),
+    ("_rms_norm_backward_kernel", "replaced ops"),
+    ("liger_cross_entropy_kernel", "replaced ops"),
+    ("glu_bwd_swiglu_bf16", "replaced ops"),
+])
+def test_profile_kernel_categories(name, part):
+    """bench/profile_gpu.py --what amdahl splits a step's GPU time by these categories; a Triton kernel of
+    a replaced op must never be counted as gemm/aten (that would make the bound on patchdsl/Liger wrong)."""
+    assert _profile_gpu().kernel_category(name) == part
