@@ -1,0 +1,85 @@
+"""Inputs for the GPU launch tests (tests/test_launch.py): one forward + backward of each
+generated module, planned as the bench plans it, on fixed-seed inputs made afresh per call."""
+
+from __future__ import annotations
+
+import torch
+
+# Shapes a little larger than the bench's tiny ones, so that loops and chunks run more than once.
+SHAPES = {
+    "rmsnorm": {"tokens": 300, "hidden": 1024},
+    "add_rmsnorm": {"tokens": 300, "hidden": 1024},
+    "layernorm": {"tokens": 300, "hidden": 1000},
+    "swiglu": {"tokens": 300, "intermediate": 3072},
+    "geglu": {"tokens": 300, "intermediate": 2000},
+    "rope": {"batch": 2, "seq": 64, "q_heads": 8, "kv_heads": 2, "head_dim": 128},
+    "qk_norm_rope": {"batch": 2, "seq": 64, "q_heads": 8, "kv_heads": 2, "head_dim": 128},
+    "cross_entropy": {"tokens": 300, "vocab": 5000},
+    "linear_cross_entropy": {"tokens": 3000, "hidden": 256, "vocab": 32000},
+    "linear_logprobs": {"tokens": 3000, "hidden": 256, "vocab": 32000},
+}
+BY_OP = {"fused_" + k: k for k in SHAPES}
+
+
+def case_for(op_name: str, kind: str = "", dtype: str = "bf16"):
+    """``run()`` -> the outputs and the gradients of one forward + backward (fresh inputs each call)."""
+    from patchdsl.bench.cases import as_tuple, families
+    from patchdsl.bench.runner import build_patchdsl
+    from patchdsl.codegen import target
+
+    fam = families()[BY_OP[op_name]]
+    shape = SHAPES[fam.name]
+    dev = torch.device("cuda")
+
+    def inputs():
+        g = torch.Generator(device=dev).manual_seed(1234)
+        params = fam.make_params(shape, dtype, dev, g)
+        act = fam.make_act(shape, dtype, dev, g)
+        dys = fam.make_dys(shape, dtype, dev, g)
+        return params, act, dys
+
+    params, act, dys = inputs()
+    call, _info = build_patchdsl(fam, params, shape, dtype, target(), [None] * len(fam.out_names))
+
+    def run():
+        params, act, dys = inputs()
+        outs = as_tuple(call(*[act[n] for n in fam.act_names]))
+        pairs = [(o, d) for o, d in zip(outs, dys) if isinstance(o, torch.Tensor) and o.requires_grad]
+        leaves = [act[n] for n in fam.act_grad] + [params[n] for n in fam.param_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], leaves,
+                                    [torch.ones_like(o) if d is None else d for o, d in pairs], allow_unused=True)
+        torch.cuda.synchronize()
+        return [o.detach().clone() for o in outs if isinstance(o, torch.Tensor)] + \
+            [g.clone() for g in grads if g is not None]
+
+    return run
+
+
+def rmsnorm_pair():
+    """RMSNorm of an aligned input, then of the same values at an address that is not a multiple
+    of 16 bytes: (y_aligned, y_misaligned)."""
+    from patchdsl.bench.cases import families
+    from patchdsl.bench.runner import build_patchdsl
+    from patchdsl.codegen import target
+
+    fam = families()["rmsnorm"]
+    shape = {"tokens": 64, "hidden": 1024}
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    params = fam.make_params(shape, "bf16", dev, g)
+    x = fam.make_act(shape, "bf16", dev, g)["x"].detach()
+    call, _ = build_patchdsl(fam, params, shape, "bf16", target(), [None])
+    with torch.no_grad():
+        for _ in range(3):
+            y_al = call(x)
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=dev)
+        xm = buf[1:].view_as(x)
+        xm.copy_(x)
+        assert xm.data_ptr() % 16 != 0
+        y_mis = call(xm)
+        y_al2 = call(x)
+    y_al = y_al[0] if isinstance(y_al, tuple) else y_al
+    y_mis = y_mis[0] if isinstance(y_mis, tuple) else y_mis
+    y_al2 = y_al2[0] if isinstance(y_al2, tuple) else y_al2
+    assert torch.equal(y_al, y_al2)
+    return y_al, y_mis
