@@ -476,3 +476,58 @@ def test_gpu_alignment_change_takes_the_other_kernel():
     y_al, y_mis = rmsnorm_pair()
     torch.testing.assert_close(y_al, y_mis, rtol=0, atol=0)
     del case_for
+
+
+# ---------------------------------------------------------------------------------- apply_function
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k, flag):
+        ctx.k = k
+        return x * k if flag else x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None, None
+
+
+class _WithSetup(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_apply_function_equals_function_apply():
+    x = torch.randn(5, requires_grad=True)
+    y1 = _Scale.apply(x, 3.0, True)
+    y2 = L.apply_function(_Scale, x, 3.0, True)
+    assert torch.equal(y1, y2) and type(y1.grad_fn) is type(y2.grad_fn)
+    (g1,) = torch.autograd.grad(y1.sum(), x)
+    (g2,) = torch.autograd.grad(y2.sum(), x)
+    assert torch.equal(g1, g2)
+    with torch.no_grad():
+        assert L.apply_function(_Scale, x, 2.0, False).grad_fn is None
+
+
+def test_apply_function_takes_the_python_apply_where_it_must():
+    assert L._c_apply_of(_WithSetup) is False           # setup_context: Function.apply binds arguments
+    x = torch.randn(3, requires_grad=True)
+    assert torch.equal(L.apply_function(_WithSetup, x), x * 2)
+    # a functorch transform is active: the same error as Function.apply (no setup_context)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: L.apply_function(_Scale, t, 2.0, True).sum())(torch.randn(3))
+    assert torch.equal(torch.func.grad(lambda t: L.apply_function(_WithSetup, t).sum())(torch.randn(3)),
+                       torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("a, b", [(0, 4), (1, 4), (4, 4), (5, 4), (1023, 1024), (1025, 1024), (7, 1)])
+def test_cdiv(a, b):
+    import triton
+    assert L.cdiv(a, b) == triton.cdiv(a, b)

@@ -269,6 +269,60 @@ class Launcher:
         return kernel
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of host ints (``triton.cdiv`` is a constexpr function whose call costs
+    microseconds of argument unwrapping in host code)."""
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------- autograd.Function
+_C_APPLY: dict = {}
+
+
+def _c_apply_of(cls: Any) -> Any:
+    """The C-level ``apply`` of an autograd.Function, or False where the Python ``apply`` has work
+    to do that this shortcut does not (a ``setup_context``, a torch without the private hooks)."""
+    try:
+        import torch
+        from torch.autograd.function import _is_setup_context_defined
+
+        if _is_setup_context_defined(cls.setup_context):
+            return False
+        torch._C._are_functorch_transforms_active  # noqa: B018
+        torch._C._functorch.unwrap_if_dead  # noqa: B018
+        return torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
+    except Exception:
+        return False
+
+
+def apply_function(cls: Any, *args: Any) -> Any:
+    """``cls.apply(*args)`` for a Function with ``forward(ctx, ...)`` and no ``setup_context``,
+    without the Python layer of ``Function.apply`` when no functorch transform (vmap, grad...) is
+    active: the same C call on the same arguments (dead functorch wrappers unwrapped, as there)."""
+    c_apply = _C_APPLY.get(cls)
+    if c_apply is None:
+        c_apply = _C_APPLY[cls] = _c_apply_of(cls)
+    if c_apply is False or _functorch_active():
+        return cls.apply(*args)
+    return c_apply(*[_unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args])
+
+
+def _init_torch_hooks() -> None:
+    global _functorch_active, _unwrap_if_dead, _Tensor
+    import torch
+
+    _Tensor = torch.Tensor
+    try:
+        _functorch_active = torch._C._are_functorch_transforms_active
+        _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+    except AttributeError:  # pragma: no cover - a torch without them: always the Python apply
+        _functorch_active = lambda: True  # noqa: E731
+        _unwrap_if_dead = lambda t: t  # noqa: E731
+
+
+_init_torch_hooks()
+
+
 _LAUNCHERS: dict[int, Launcher] = {}
 _make_lock = threading.Lock()
 
