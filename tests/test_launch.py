@@ -531,3 +531,37 @@ def test_apply_function_takes_the_python_apply_where_it_must():
 def test_cdiv(a, b):
     import triton
     assert L.cdiv(a, b) == triton.cdiv(a, b)
+
+
+# ---------------------------------------------------------------------------------- linear CE host path
+@pytest.mark.parametrize("n, reduction, bias", [(40, "mean", False), (16, "none", True), (0, "sum", False)])
+def test_linear_ce_chunks_same_under_autocast_and_at_any_row_count(n, reduction, bias):
+    """The chunk loop's views and grids (split once, a full chunk's grid reused, the last chunk's
+    own) and the autocast switch: results equal with and without an enclosing autocast, for a
+    row count that is not a multiple of the chunk, exactly one chunk, and no rows."""
+    from tests.kernels.helpers import DEVICE, kernel_for
+
+    facts = {"vocab": 48, "hidden": 16, "bias": bias, "softcap": None, "logits_scaling": None}
+    mod = kernel_for("fused_linear_cross_entropy", "CausalLM", facts, "fp32", {"reduction": reduction})
+    g = torch.Generator().manual_seed(n)
+    h0 = torch.randn(n, 16, generator=g).to(DEVICE)
+    w0 = (torch.randn(48, 16, generator=g) * 0.5).to(DEVICE)
+    b0 = torch.randn(48, generator=g).to(DEVICE) if bias else None
+    y = torch.randint(0, 48, (n,), generator=g).to(DEVICE)
+
+    def run(autocast):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        b = b0.clone().requires_grad_() if bias else None
+        with torch.autocast(DEVICE.type if hasattr(DEVICE, "type") else str(DEVICE), dtype=torch.bfloat16,
+                            enabled=autocast):
+            loss = mod.linear_cross_entropy(h, w, b, y)
+        loss.sum().backward()
+        return [loss.detach(), h.grad, w.grad] + ([b.grad] if bias else [])
+
+    plain, auto = run(False), run(True)
+    for a, c in zip(plain, auto):
+        assert a is not None and c is not None and torch.equal(a, c)
+    if n:
+        logits = h0.double() @ w0.double().T + (b0.double() if bias else 0)
+        ref = torch.nn.functional.cross_entropy(logits, y, reduction=reduction)
+        torch.testing.assert_close(plain[0].double(), ref, rtol=1e-4, atol=1e-5)
