@@ -565,3 +565,18 @@ def test_linear_ce_chunks_same_under_autocast_and_at_any_row_count(n, reduction,
         logits = h0.double() @ w0.double().T + (b0.double() if bias else 0)
         ref = torch.nn.functional.cross_entropy(logits, y, reduction=reduction)
         torch.testing.assert_close(plain[0].double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_counts_and_refusals_report_launches():
+    class InterpretedFunction:
+        __name__ = "k"
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    f = InterpretedFunction()
+    f0, n0 = L.counts()
+    L.launch(f, (1,), 1)
+    L.launch(f, (1,), 2)
+    assert L.counts() == (f0, n0 + 2)
+    assert "InterpretedFunction" in L.refusals()["k"]

@@ -348,6 +348,25 @@ def launch(fn: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
     return lau(grid, args, kwargs)
 
 
+def counts() -> tuple[int, int]:
+    """(fast, normal) launches so far through :func:`launch`, over every kernel (the bench records
+    the difference over its host-time loop, so a run shows whether the fast path was taken)."""
+    fast = normal = 0
+    for lau in list(_LAUNCHERS.values()):
+        fast += lau.fast_calls
+        normal += lau.normal_calls
+    return fast, normal
+
+
+def refusals() -> dict[str, str]:
+    """Kernel name -> why it always takes the normal launch (kernels launched so far)."""
+    out = {}
+    for lau in list(_LAUNCHERS.values()):
+        if lau.refusal is not None:
+            out[getattr(lau.fn, "__name__", repr(lau.fn))] = lau.refusal
+    return out
+
+
 def reset() -> None:
     """Forget every cached kernel and decision (tests; after changing ``PATCHDSL_FAST_LAUNCH``)."""
     with _make_lock:
