@@ -79,32 +79,38 @@ def spec_key(args: tuple, constexpr_pos: frozenset = frozenset(), tensor_type: A
     alignment mask.  Raises :class:`Unsupported` for anything else (the caller launches normally).
     """
     if tensor_type is None:
-        import torch
-
-        tensor_type = torch.Tensor
+        tensor_type = _Tensor
     out = []
+    append = out.append
     mask = 0
     bit = 1
-    for i, a in enumerate(args):
+    i = 0
+    for a in args:
         t = type(a)
-        if i in constexpr_pos:
-            out.append(("c", a))
+        if constexpr_pos and i in constexpr_pos:
+            append(("c", a))
         elif t is int:
-            out.append(int_code(a))
-        elif isinstance(a, tensor_type):
-            out.append(a.dtype)
-            if (a.data_ptr() & 15) == 0:
+            if a == 1:
+                append(-1)
+            elif _I32_MIN <= a <= _I32_MAX:
+                append(0 if a & 15 else 1)
+            else:
+                append(int_code(a))
+        elif t is tensor_type or isinstance(a, tensor_type):
+            append(a.dtype)
+            if not a.data_ptr() & 15:
                 mask |= bit
         elif t is float:
-            out.append("f")
+            append("f")
         elif t is bool:
-            out.append("b")
+            append("b")
         elif a is None:
-            out.append(None)
+            append(None)
         else:
             raise Unsupported(f"argument {i} of type {t.__name__}")
         bit <<= 1
-    out.append(mask)
+        i += 1
+    append(mask)
     return tuple(out)
 
 
