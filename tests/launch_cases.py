@@ -21,15 +21,13 @@ SHAPES = {
 BY_OP = {"fused_" + k: k for k in SHAPES}
 
 
-def case_for(op_name: str, kind: str = "", dtype: str = "bf16"):
+def case_for(op_name: str, kind: str = "", dtype: str = "bf16", device: str = "cuda", shape: dict | None = None):
     """``run()`` -> the outputs and the gradients of one forward + backward (fresh inputs each call)."""
     from patchdsl.bench.cases import as_tuple, families
-    from patchdsl.bench.runner import build_patchdsl
-    from patchdsl.codegen import target
 
     fam = families()[BY_OP[op_name]]
-    shape = SHAPES[fam.name]
-    dev = torch.device("cuda")
+    shape = shape or SHAPES[fam.name]
+    dev = torch.device(device)
 
     def inputs():
         g = torch.Generator(device=dev).manual_seed(1234)
@@ -38,29 +36,40 @@ def case_for(op_name: str, kind: str = "", dtype: str = "bf16"):
         dys = fam.make_dys(shape, dtype, dev, g)
         return params, act, dys
 
-    params, act, dys = inputs()
-    call, _info = build_patchdsl(fam, params, shape, dtype, target(), [None] * len(fam.out_names))
+    entry = _entry(fam, shape, dtype)
 
     def run():
         params, act, dys = inputs()
-        outs = as_tuple(call(*[act[n] for n in fam.act_names]))
+        outs = as_tuple(entry(fam.patchdsl_values(params, act)))
+        outs, _ = fam.fix_outputs(outs, [None if d is None else tuple(d.shape) for d in dys])
         pairs = [(o, d) for o, d in zip(outs, dys) if isinstance(o, torch.Tensor) and o.requires_grad]
         leaves = [act[n] for n in fam.act_grad] + [params[n] for n in fam.param_grad]
         grads = torch.autograd.grad([o for o, _ in pairs], leaves,
                                     [torch.ones_like(o) if d is None else d for o, d in pairs], allow_unused=True)
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         return [o.detach().clone() for o in outs if isinstance(o, torch.Tensor)] + \
             [g.clone() for g in grads if g is not None]
 
     return run
 
 
+def _entry(fam, shape, dtype):
+    """The generated module's entry point, planned as the bench plans it, bound to the family's names."""
+    from patchdsl.bench.cases import bind, resolve_entry
+    from patchdsl.bench.runner import plan_key
+    from patchdsl.codegen import load_kernel, target
+    from patchdsl.ops.registry import get_op
+
+    key, _ = plan_key(fam, get_op(fam.op), shape, dtype, target())
+    fn, _ = resolve_entry(load_kernel(key), fam.entry_names)
+    return bind(fn, fam.synonyms, fam.canon_order)
+
+
 def rmsnorm_pair():
     """RMSNorm of an aligned input, then of the same values at an address that is not a multiple
     of 16 bytes: (y_aligned, y_misaligned)."""
-    from patchdsl.bench.cases import families
-    from patchdsl.bench.runner import build_patchdsl
-    from patchdsl.codegen import target
+    from patchdsl.bench.cases import as_tuple, families
 
     fam = families()["rmsnorm"]
     shape = {"tokens": 64, "hidden": 1024}
@@ -68,7 +77,10 @@ def rmsnorm_pair():
     g = torch.Generator(device=dev).manual_seed(0)
     params = fam.make_params(shape, "bf16", dev, g)
     x = fam.make_act(shape, "bf16", dev, g)["x"].detach()
-    call, _ = build_patchdsl(fam, params, shape, "bf16", target(), [None])
+    entry = _entry(fam, shape, "bf16")
+
+    def call(t):
+        return as_tuple(entry(fam.patchdsl_values(params, {"x": t})))[0]
     with torch.no_grad():
         for _ in range(3):
             y_al = call(x)
@@ -78,8 +90,5 @@ def rmsnorm_pair():
         assert xm.data_ptr() % 16 != 0
         y_mis = call(xm)
         y_al2 = call(x)
-    y_al = y_al[0] if isinstance(y_al, tuple) else y_al
-    y_mis = y_mis[0] if isinstance(y_mis, tuple) else y_mis
-    y_al2 = y_al2[0] if isinstance(y_al2, tuple) else y_al2
     assert torch.equal(y_al, y_al2)
     return y_al, y_mis
