@@ -596,3 +596,39 @@ def test_gpu_case_builder_runs_here(op_name):
     run = case_for(op_name, dtype="fp32", device="cpu", shape=families()[BY_OP[op_name]].tiny[0])
     a, b = run(), run()
     assert len(a) >= 3 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_triton_runtime_reads_this_tritons_hooks_and_knobs():
+    """TritonRuntime against the installed Triton's real knobs (a stub driver stands in for CUDA)."""
+    import types
+
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    stub = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 7,
+                                 get_current_target=lambda: GPUTarget("cuda", 90, 32))
+    saved = driver._active
+    driver._active = stub
+    try:
+        rt = L.TritonRuntime()
+        assert rt.backend() == "cuda" and not rt.driver_changed()
+        assert rt.hooks_idle()
+        hook = lambda *a: None  # noqa: E731
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            assert not rt.hooks_idle()
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        assert rt.hooks_idle()
+        k0 = rt.knob_key()
+        old = knobs.runtime.debug
+        knobs.runtime.debug = not old
+        try:
+            assert rt.knob_key() != k0
+        finally:
+            knobs.runtime.debug = old
+        driver._active = types.SimpleNamespace(**vars(stub))
+        assert rt.driver_changed()
+    finally:
+        driver._active = saved
