@@ -388,7 +388,6 @@ def test_env_flag_refuses(monkeypatch):
 def test_launch_on_this_machine_uses_the_interpreter_path():
     """Without a GPU the kernels are interpreted: ``launch`` must equal ``kernel[grid](...)``."""
     import triton
-    import triton.language as tl
 
     from .kernels.helpers import ON_GPU
     if ON_GPU:
@@ -401,7 +400,6 @@ def test_launch_on_this_machine_uses_the_interpreter_path():
     launch(K.add_one, (triton.cdiv(10, 8),), x, y, 10, BLOCK=8)
     torch.testing.assert_close(y, x + 1, rtol=0, atol=0)
     assert launcher_of(K.add_one).refusal is not None
-    del tl
 
 
 # ---------------------------------------------------------------------------------- GPU
@@ -471,7 +469,7 @@ def test_fast_and_normal_launch_bit_identical(op_name, kind, dtype):
 def test_gpu_alignment_change_takes_the_other_kernel():
     """A misaligned input after aligned ones: the launcher relaunches normally (Triton compiles the
     unaligned specialisation) and the result equals the aligned one's."""
-    from tests.launch_cases import case_for, rmsnorm_pair
+    from tests.launch_cases import rmsnorm_pair
 
     L.reset()
     f0, n0 = L.counts()
@@ -479,7 +477,6 @@ def test_gpu_alignment_change_takes_the_other_kernel():
     torch.testing.assert_close(y_al, y_mis, rtol=0, atol=0)
     fast, normal = L.counts()
     assert fast - f0 >= 2 and normal - n0 >= 2   # aligned: first normal, then fast; misaligned: normal again
-    del case_for
 
 
 # ---------------------------------------------------------------------------------- apply_function
