@@ -84,40 +84,40 @@ RMS = [
     Variant("default", {}, "shipped: fwd 4 rows/4 warps; bwd 4 rows/2 warps, 4 programs/SM, partial rows + sum kernel"),
     Variant("atomic", {"dw_reduce": "atomic"}, "dW by fp32 atomics + last-program ticket (one launch)", "bwd"),
     Variant("atomic_prefetch", {"dw_reduce": "atomic", "bwd_prefetch": True}, "+ next rows loaded before the math", "bwd"),
-    Variant("atomic_evict", {"dw_reduce": "atomic", "evict": True}, "+ evict_first on x/dy (fwd and bwd)", "both"),
+    Variant("fwd_r8_w4", {"ROWS": 8, "num_warps": 4}, "fwd 8 rows/program, 4 warps", "fwd"),
+    Variant("fwd_r16_w8", {"ROWS": 16, "num_warps": 8}, "fwd 16 rows/program, 8 warps", "fwd"),
     Variant("atomic_r8_w4", {"dw_reduce": "atomic", "BWD_ROWS": 8, "bwd_warps": 4}, "8 rows/step, 4 warps", "bwd"),
-    Variant("atomic_r8_w8", {"dw_reduce": "atomic", "BWD_ROWS": 8, "bwd_warps": 8}, "8 rows/step, 8 warps", "bwd"),
     Variant("atomic_pps8", {"dw_reduce": "atomic", "bwd_programs_per_sm": 8}, "8 programs/SM", "bwd"),
-    Variant("atomic_pps8_r2", {"dw_reduce": "atomic", "bwd_programs_per_sm": 8, "BWD_ROWS": 2},
-            "8 programs/SM, 2 rows/step", "bwd"),
     Variant("atomic_pps2_w4", {"dw_reduce": "atomic", "bwd_programs_per_sm": 2, "bwd_warps": 4},
             "2 programs/SM, 4 warps", "bwd"),
+    Variant("atomic_evict", {"dw_reduce": "atomic", "evict": True}, "+ evict_first on x/dy (fwd and bwd)", "both"),
     Variant("atomic_stages2", {"dw_reduce": "atomic", "bwd_stages": 2}, "tl.range num_stages=2", "bwd"),
-    Variant("atomic_stages3", {"dw_reduce": "atomic", "bwd_stages": 3}, "tl.range num_stages=3", "bwd"),
     Variant("atomic_prefetch_w4", {"dw_reduce": "atomic", "bwd_prefetch": True, "bwd_warps": 4},
             "prefetch, 4 warps", "bwd"),
-    Variant("atomic_prefetch_pps8_r2", {"dw_reduce": "atomic", "bwd_prefetch": True, "bwd_programs_per_sm": 8,
-                                        "BWD_ROWS": 2}, "prefetch, 8 programs/SM, 2 rows/step", "bwd"),
+    Variant("atomic_r8_w8", {"dw_reduce": "atomic", "BWD_ROWS": 8, "bwd_warps": 8}, "8 rows/step, 8 warps", "bwd"),
+    Variant("atomic_pps8_r2", {"dw_reduce": "atomic", "bwd_programs_per_sm": 8, "BWD_ROWS": 2},
+            "8 programs/SM, 2 rows/step", "bwd"),
+    Variant("kernel_prefetch", {"bwd_prefetch": True}, "deterministic dW path with prefetch", "bwd"),
+    Variant("fwd_r8_w8", {"ROWS": 8, "num_warps": 8}, "fwd 8 rows/program, 8 warps", "fwd"),
+    Variant("fwd_r2_w2", {"ROWS": 2, "num_warps": 2}, "fwd 2 rows/program, 2 warps", "fwd"),
+    Variant("atomic_stages3", {"dw_reduce": "atomic", "bwd_stages": 3}, "tl.range num_stages=3", "bwd"),
     Variant("atomic_pps1_r16_w8", {"dw_reduce": "atomic", "bwd_programs_per_sm": 1, "BWD_ROWS": 16, "bwd_warps": 8},
             "1 program/SM, 16 rows/step, 8 warps", "bwd"),
-    Variant("kernel_prefetch", {"bwd_prefetch": True}, "deterministic dW path with prefetch", "bwd"),
-    Variant("fwd_r8_w4", {"ROWS": 8, "num_warps": 4}, "fwd 8 rows/program, 4 warps", "fwd"),
-    Variant("fwd_r8_w8", {"ROWS": 8, "num_warps": 8}, "fwd 8 rows/program, 8 warps", "fwd"),
-    Variant("fwd_r16_w8", {"ROWS": 16, "num_warps": 8}, "fwd 16 rows/program, 8 warps", "fwd"),
-    Variant("fwd_r2_w2", {"ROWS": 2, "num_warps": 2}, "fwd 2 rows/program, 2 warps", "fwd"),
+    Variant("atomic_prefetch_pps8_r2", {"dw_reduce": "atomic", "bwd_prefetch": True, "bwd_programs_per_sm": 8,
+                                        "BWD_ROWS": 2}, "prefetch, 8 programs/SM, 2 rows/step", "bwd"),
     Variant("fwd_r1_w2", {"ROWS": 1, "num_warps": 2}, "fwd 1 row/program, 2 warps", "fwd"),
 ]
 GEGLU = [
     Variant("default", {}, "shipped: a program per row, 2 tiles of 4096 (last masked), 8 warps"),
     Variant("flat_1024_w4", _flat(1024, 4), "flat, 1024 elements/program, 4 warps (Inductor's shape)"),
-    Variant("flat_2048_w4", _flat(2048, 4), "flat, 2048/program, 4 warps"),
     Variant("flat_2048_w8", _flat(2048, 8), "flat, 2048/program, 8 warps"),
-    Variant("flat_4096_w8", _flat(4096, 8), "flat, 4096/program, 8 warps"),
-    Variant("flat_4096_w4", _flat(4096, 4), "flat, 4096/program, 4 warps"),
-    Variant("flat_8192_w8", _flat(8192, 8), "flat, 8192/program, 8 warps"),
     Variant("flat_1024_w4_evict", _flat(1024, 4, True), "flat 1024/4 warps, evict_first"),
+    Variant("flat_2048_w4", _flat(2048, 4), "flat, 2048/program, 4 warps"),
+    Variant("flat_4096_w8", _flat(4096, 8), "flat, 4096/program, 8 warps"),
     Variant("flat_2048_w8_evict", _flat(2048, 8, True), "flat 2048/8 warps, evict_first"),
+    Variant("flat_4096_w4", _flat(4096, 4), "flat, 4096/program, 4 warps"),
     Variant("rows_evict", {"evict": True}, "rows, evict_first"),
+    Variant("flat_8192_w8", _flat(8192, 8), "flat, 8192/program, 8 warps"),
     Variant("rows_2048_w4", _rows_block(2048, 4), "rows, 4 tiles of 2048 (last masked), 4 warps"),
 ]
 SWIGLU = [
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--tiny", action="store_true", help="the families' tiny shapes (CPU smoke test)")
     p.add_argument("--budget-s", type=float, default=80.0, help="stop starting variants after this many seconds")
-    p.add_argument("--target-ms", type=float, default=60.0, help="replay time per measurement")
+    p.add_argument("--target-ms", type=float, default=40.0, help="replay time per measurement")
     p.add_argument("--compile", dest="compile", default="auto", choices=("auto", "yes", "no"),
                    help="time torch.compile of the HF function too (auto: on a GPU when the budget leaves 25 s)")
     p.add_argument("--out", default=None, help="folder for kern_sweep.json / .txt (default $PART_OUT or bench/results/kern_sweep)")
