@@ -259,6 +259,8 @@ def run_op(name: str, variants: list[Variant], shape: dict, a: argparse.Namespac
             doc["floors_error"] = f"{type(e).__name__}: {e}"[:300]
             runner._check_context(ctx)
 
+    base_errs: dict[str, float] = {}
+
     def measure(vname: str, params: dict, what: str, part: str) -> dict[str, Any]:
         rec: dict[str, Any] = {"variant": vname, "what": what, "part": part,
                                "over": {kk: v for kk, v in params.items() if auto.get(kk) != v}, "status": "ok"}
@@ -271,16 +273,28 @@ def run_op(name: str, variants: list[Variant], shape: dict, a: argparse.Namespac
             run = specialise._fwd_bwd(fam, call, fparams)
             act = fam.make_act(shape, dtype, dev, runner._gen(dev, a.seed + 1))
             dys = fam.make_dys(shape, dtype, dev, runner._gen(dev, a.seed + 2))
-            outs, grads = run(act, dys)
-            got = [o.detach() for o in outs] + [None if g is None else g.detach() for g in grads]
             want = list(ref_outs) + [ref_grads[nm] for nm in names]
-            errs = [float("inf") if g is None else runner.rel_err(g, w) for g, w in zip(got, want)]
-            rec["errs"] = dict(zip([f"out:{o}" for o in fam.out_names[:len(ref_outs)]] + [f"grad:{nm}" for nm in names],
-                                   errs))
+            labels = [f"out:{o}" for o in fam.out_names[:len(ref_outs)]] + [f"grad:{nm}" for nm in names]
+            errs = [0.0] * len(want)
+            for _ in range(3 if params.get("dw_reduce") == "atomic" else 1):    # a race moves between runs
+                outs, grads = run(act, dys)
+                got = [o.detach() for o in outs] + [None if g is None else g.detach() for g in grads]
+                errs = [max(e, float("inf") if g is None else runner.rel_err(g, w)) for e, g, w in zip(errs, got, want)]
+                del outs, grads, got
+            rec["errs"] = dict(zip(labels, errs))
             rec["err"] = max(errs)
             rec["tol"] = runner.TOL[dtype]
             rec["correct"] = bool(rec["err"] <= rec["tol"])
-            del outs, grads, got, act, dys
+            # Rounding sets these errors (the same for every variant of one function): a variant clearly
+            # worse than the shipped kernel is suspect even under the bar -- e.g. a dW that lost one
+            # program's share (1/528 at 16384x1024 on an H200) to a race.
+            worse = [lb for lb, e in rec["errs"].items() if base_errs and e > 1.25 * base_errs.get(lb, e) + 1e-4]
+            if worse:
+                rec["correct"] = False
+                rec["worse_than_default"] = worse
+            if vname == "default":
+                base_errs.update(rec["errs"])
+            del act, dys
             n_out = len(fam.out_names)
             fwd = [(lambda s=s: call(*[s[0][nm] for nm in fam.act_names])[:n_out]) for s in sets]
             fb = [(lambda s=s: run(*s)) for s in sets]
@@ -381,7 +395,12 @@ def _brief(r: dict) -> str:
     if r.get("status") != "ok":
         return r.get("status", "") + (": " + r["error"] if r.get("error") else "")
     return (f"fwd {r['fwd_ms'] * 1e3:.1f} us, bwd {r['bwd_ms'] * 1e3:.1f} us, fwd+bwd {r['fwd_bwd_ms'] * 1e3:.1f} us, "
-            f"err {r['err']:.1e}{'' if r['correct'] else ' WRONG'}")
+            f"err {r['err']:.1e}{'' if r['correct'] else ' WRONG'}{_worse(r)}")
+
+
+def _worse(r: dict) -> str:
+    w = r.get("worse_than_default")
+    return f" (worse than default: {', '.join(w)})" if w else ""
 
 
 def table(doc: dict) -> str:
@@ -400,7 +419,7 @@ def table(doc: dict) -> str:
         rel = f" ({r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.3f}x)" if base and r is not base else ""
         lines.append(f"   {r['variant']:26s} {r['fwd_ms'] * 1e3:8.1f} {r['bwd_ms'] * 1e3:8.1f} {r['fwd_bwd_ms'] * 1e3:8.1f} "
                      f"{r['gbps_fwd_bwd']:6.0f} {pf if pf is not None else float('nan'):6.1f} {r['err']:8.1e}"
-                     f"{'' if r['correct'] else ' WRONG'}  {r['what']}{rel}")
+                     f"{'' if r['correct'] else ' WRONG'}{_worse(r)}  {r['what']}{rel}")
     c = doc.get("compile")
     if c:
         lines.append(f"   {'torch.compile':26s} " + (f"{c['fwd_ms'] * 1e3:8.1f} {c['bwd_ms'] * 1e3:8.1f} {c['fwd_bwd_ms'] * 1e3:8.1f}"

@@ -63,14 +63,19 @@ def test_tiny_sweep_runs_checks_and_reports(tmp_path, capsys):
 def test_a_wrong_variant_fails_the_run_and_never_wins(tmp_path, capsys, monkeypatch):
     ks = _sweep()
     # eps 0.5 instead of the module's 1e-6: a kernel that runs fine and computes another function
-    monkeypatch.setitem(ks.VARIANTS, "rmsnorm", [ks.RMS[0], ks.Variant("broken", {"eps": 0.5}, "wrong eps", "both")])
+    # eps 0.01: off by less than the bf16 bar, but clearly worse than the shipped kernel (how a race
+    # that drops one program's dW share looks at real sizes)
+    monkeypatch.setitem(ks.VARIANTS, "rmsnorm", [ks.RMS[0], ks.Variant("broken", {"eps": 0.5}, "wrong eps", "both"),
+                                                 ks.Variant("subtle", {"eps": 0.01}, "slightly wrong eps", "both")])
     rc = ks.main(["--device", "cpu", "--tiny", "--quiet", "--no-floors", "--ops", "rmsnorm", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 1
     doc = json.loads((tmp_path / "kern_sweep.json").read_text())
     (d,) = doc["ops"]
-    assert d["bad"] == ["broken"] and d["winner"]["variant"] == "default"
-    assert "WRONG NUMBERS: broken" in out
+    rows = {r["variant"]: r for r in d["rows"]}
+    assert rows["subtle"]["err"] <= rows["subtle"]["tol"] and rows["subtle"]["worse_than_default"]
+    assert d["bad"] == ["broken", "subtle"] and d["winner"]["variant"] == "default"
+    assert "WRONG NUMBERS: broken, subtle" in out and "(worse than default: " in out
 
 
 def test_unknown_op_is_an_error(capsys):
