@@ -83,3 +83,28 @@ def test_unknown_op_is_an_error(capsys):
     with pytest.raises(SystemExit):
         ks.main(["--device", "cpu", "--tiny", "--ops", "rmsnorm,nope"])
     assert "unknown op(s) nope" in capsys.readouterr().err
+
+
+def test_every_variant_renders_for_the_gpu_at_the_issue_shapes():
+    """What the GPU run will build: each variant's module at the issue's shape for target cuda is
+    valid Python, and differs from the shipped kernel's source unless it says it is the same."""
+    from patchdsl.bench import runner
+    from patchdsl.bench.cases import families
+    from patchdsl.codegen import KernelKey, render
+    from patchdsl.ops.registry import get_op
+
+    ks = _sweep()
+    fams = families()
+    for op, variants in ks.VARIANTS.items():
+        fam = fams[op]
+        key, _ = runner.plan_key(fam, get_op(fam.op), ks.SHAPES[op], "bf16", "cuda")
+        auto = key.param_dict
+        default_src = render(key)
+        seen = {}
+        for v in variants:
+            params = v.params(auto, ks.SHAPES[op])
+            src = render(KernelKey.make(key.op, key.template, key.name, params))
+            compile(src, f"<{op}:{v.name}>", "exec")
+            assert (src == default_src) == (params == auto), (op, v.name)
+            assert src not in seen, f"{op}: {v.name} renders the same kernel as {seen.get(src)}"
+            seen[src] = v.name
