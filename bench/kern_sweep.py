@@ -138,7 +138,13 @@ SHARE = {"rmsnorm": 0.45, "geglu": 0.4, "swiglu": 0.15}    # of the budget, by o
 
 
 # ----------------------------------------------------------------------------- floors
+_RW32: list = []
+
+
 def _rw32_kernel():
+    """The 3-read, 2-write floor kernel (built once per process)."""
+    if _RW32:
+        return _RW32[0]
     import triton
     import triton.language as tl
 
@@ -152,6 +158,7 @@ def _rw32_kernel():
         tl.store(D + offs, (a * b + c).to(D.dtype.element_ty), mask=m)
         tl.store(E + offs, (a * c - b).to(E.dtype.element_ty), mask=m)
 
+    _RW32.append(rw32)
     return rw32
 
 
