@@ -47,10 +47,12 @@ def partial_sum_launch(hidden: int, target: str) -> dict[str, int]:
 #   dw_reduce     kernel: per-program fp32 partial dW rows + a second kernel adding them (deterministic);
 #                 atomic: fp32 atomics into one row, the last program (atomic ticket) casts it (one launch;
 #                 falls back to "kernel" under torch.use_deterministic_algorithms)
+#   dw_zero       atomic only -- fill: a zeroed accumulator per backward call (one fill launch);
+#                 forward: the forward zeroes it (saved after rstd), the backward's last program re-zeroes it
 #   evict         evict_first on the streamed x / dy loads, evict_last on the weight
 #   bwd_stages    > 0: the backward row loop is tl.range(..., num_stages=bwd_stages)
 #   bwd_prefetch  the backward loads the next step's rows before this step's arithmetic
-RMS_TUNING = {"dw_reduce": "kernel", "evict": False, "bwd_stages": 0, "bwd_prefetch": False}
+RMS_TUNING = {"dw_reduce": "kernel", "dw_zero": "fill", "evict": False, "bwd_stages": 0, "bwd_prefetch": False}
 
 
 RMS_FLAGS = (

@@ -35,6 +35,7 @@ def variant(op_name: str, kind: str, facts: dict, dtype: str, over: dict, flags:
 # ------------------------------------------------------------------------------------------ RMSNorm
 RMS_VARIANTS = {
     "atomic": {"dw_reduce": "atomic"},
+    "atomic_fwdzero": {"dw_reduce": "atomic", "dw_zero": "forward"},
     "prefetch": {"bwd_prefetch": True},
     "stages2": {"bwd_stages": 2},
     "evict": {"evict": True},
@@ -134,15 +135,30 @@ def test_rmsnorm_atomic_dw_takes_the_deterministic_path_when_asked(monkeypatch, 
     assert_close(dw, dwr, "fp32", "dw")
 
 
-def test_rmsnorm_atomic_twice_and_empty():
-    """A fresh zeroed accumulator per call: two backward calls agree; zero rows give dW = 0."""
-    k, _, _ = variant("fused_rmsnorm", "RMSNorm", _rms_facts(64, 0.0, "llama"), "fp32", {"dw_reduce": "atomic"})
+@pytest.mark.parametrize("dw_zero", ["fill", "forward"])
+def test_rmsnorm_atomic_twice_and_empty(dw_zero):
+    """Two backward calls on one forward agree (the forward's accumulator is left zeroed by the last
+    program); zero rows give dW = 0."""
+    k, _, _ = variant("fused_rmsnorm", "RMSNorm", _rms_facts(64, 0.0, "llama"), "fp32",
+                      {"dw_reduce": "atomic", "dw_zero": dw_zero})
     x, w, dy = _rms_inputs(11, 64, "fp32")
     _, rstd = k.rmsnorm_forward(x, w)
+    assert rstd.shape == (11 + (65 if dw_zero == "forward" else 0),)
+    if dw_zero == "forward":
+        assert torch.equal(rstd[11:], torch.zeros(65, device=rstd.device))
     dx1, dw1 = k.rmsnorm_backward(dy, x, w, rstd)
+    if dw_zero == "forward":
+        assert torch.equal(rstd[11:], torch.zeros(65, device=rstd.device)), "the last program re-zeroes it"
     dx2, dw2 = k.rmsnorm_backward(dy, x, w, rstd)
     torch.testing.assert_close(dx1, dx2, rtol=0, atol=0)
     torch.testing.assert_close(dw1, dw2, rtol=1e-6, atol=0)
+    # the torch.compile path hands the backward op rstd alone: a fresh accumulator, the saved one untouched
+    rstd[11:].fill_(7.0)
+    dx3, dw3 = k._bwd_impl(dy, x, w, rstd)
+    torch.testing.assert_close(dw3, dw1, rtol=1e-6, atol=0)
+    if dw_zero == "forward":
+        assert torch.equal(rstd[11:], torch.full((65,), 7.0, device=rstd.device))
+        assert k._fwd_fake(x, w)[1].shape == rstd.shape
     e = x[:0]
     y0, r0 = k.rmsnorm_forward(e, w)
     dx0, dw0 = k.rmsnorm_backward(e, e, w, r0)
@@ -174,6 +190,12 @@ def test_rmsnorm_variant_source():
     assert "atomic" not in code and "evict" not in code and "tl.range" not in code
     _, _, src = variant("fused_rmsnorm", "RMSNorm", facts, "bf16",
                         {"dw_reduce": "atomic", "evict": True, "bwd_stages": 3, "bwd_prefetch": True})
+    assert "STATS_TAIL = 0" in src and ", WS)" not in src
+    _, _, fz = variant("fused_rmsnorm", "RMSNorm", facts, "bf16", {"dw_reduce": "atomic", "dw_zero": "forward"})
+    assert "STATS_TAIL = 1025" in fz and "rmsnorm_fwd_h1024(X, W, Y, RSTD, stride_x, stride_y, n_rows, WS)" in fz
+    # dw_zero only means something with atomics
+    _, _, kz = variant("fused_rmsnorm", "RMSNorm", facts, "bf16", {"dw_zero": "forward"})
+    assert "STATS_TAIL = 0" in kz
     assert "def rmsnorm_bwd_atomic_h1024(" in src and "def rmsnorm_bwd_h1024(" in src
     assert 'sem="acq_rel"' in src and "torch.are_deterministic_algorithms_enabled()" in src
     assert "num_stages=3" in src and "x_next" in src and 'eviction_policy="evict_first"' in src
