@@ -287,3 +287,16 @@ def test_glu_flat_source_and_fused_gate_up_keeps_rows():
                           {"glu_layout": "flat", "FLAT_BLOCK": 256})
     assert "FLAT" not in fused.split('"""', 2)[2]
     assert "row * STRIDE + cols" in fused or "rows[:, None] * STRIDE" in fused
+
+
+@pytest.mark.parametrize("over", [{"dw_reduce": "atomic"}, {"dw_reduce": "atomic", "dw_zero": "forward"}])
+def test_rmsnorm_atomic_custom_ops_pass_opcheck(over):
+    """torch.compile's path: schema (no undeclared mutation of the saved rstd), fake shapes (the
+    accumulator saved after rstd), autograd registration."""
+    k, _, _ = variant("fused_rmsnorm", "RMSNorm", _rms_facts(64, 0.0, "llama"), "fp32", over)
+    x, w, dy = _rms_inputs(6, 64, "fp32")
+    res = torch.library.opcheck(k.rmsnorm_forward_op, (x.clone().requires_grad_(), w.clone().requires_grad_()))
+    assert all(v == "SUCCESS" for v in res.values()), res
+    _, rstd = k.rmsnorm_forward_op(x, w)
+    res = torch.library.opcheck(k.rmsnorm_backward_op, (dy, x, w, rstd))
+    assert all(v == "SUCCESS" for v in res.values()), res
