@@ -35,6 +35,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 # String parameters whose values come from a closed set (whatever op they belong to).
 CLOSED_SETS: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES, "w_dtype": DTYPES, "target": ("cuda", "interpreter"), "casting": ("llama", "gemma"),
+    "dw_reduce": ("kernel", "atomic"), "dw_zero": ("fill", "forward"), "glu_layout": ("rows", "flat"),
 }
 
 

@@ -42,6 +42,19 @@ def partial_sum_launch(hidden: int, target: str) -> dict[str, int]:
     return {"SUM_BLOCK_C": max(16, min(256, hidden_p2 // 64)), "SUM_BLOCK_P": 64}
 
 
+# Launch/scheme choices of fused_rmsnorm's one-pass kernels that ``bench/kern_sweep.py`` times against
+# each other (template parameters, not user flags; the defaults are the measured best so far):
+#   dw_reduce     kernel: per-program fp32 partial dW rows + a second kernel adding them (deterministic);
+#                 atomic: fp32 atomics into one row, the last program (atomic ticket) casts it (one launch;
+#                 falls back to "kernel" under torch.use_deterministic_algorithms)
+#   dw_zero       atomic only -- fill: a zeroed accumulator per backward call (one fill launch);
+#                 forward: the forward zeroes it (saved after rstd), the backward's last program re-zeroes it
+#   evict         evict_first on the streamed x / dy loads, evict_last on the weight
+#   bwd_stages    > 0: the backward row loop is tl.range(..., num_stages=bwd_stages)
+#   bwd_prefetch  the backward loads the next step's rows before this step's arithmetic
+RMS_TUNING = {"dw_reduce": "kernel", "dw_zero": "fill", "evict": False, "bwd_stages": 0, "bwd_prefetch": False}
+
+
 RMS_FLAGS = (
     FlagSpec("eps", "float", "auto", "epsilon added to the mean square; auto = the module's own", auto_ok=True, min=0.0),
     FlagSpec("offset", "float", "auto", "scale is (offset + w); auto = probed (0 Llama/Qwen, 1 Gemma)", auto_ok=True),
@@ -85,7 +98,7 @@ class FusedRMSNorm(Op):
     flags = RMS_FLAGS
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
-        return rms_key_params(info.facts("RMSNorm"), flags, dtype, info.dtype, target)
+        return {**rms_key_params(info.facts("RMSNorm"), flags, dtype, info.dtype, target), **RMS_TUNING}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         return rms_kernel_name(self.name, params)

@@ -52,7 +52,17 @@ def glu_config(inter: int, target: str, block: Any = "auto") -> dict[str, Any]:
     tile = INTERP_TILE if target == "interpreter" else CUDA_TILE
     rows = max(1, min(32, tile // b)) if single else 1
     warps = max(1, min(8, (rows * b) // 512))
-    return {"BLOCK": b, "single_pass": single, "n_tiles": -(-inter // b), "ROWS": rows, "num_warps": warps}
+    return {"BLOCK": b, "single_pass": single, "n_tiles": -(-inter // b), "ROWS": rows, "num_warps": warps,
+            **GLU_TUNING}
+
+
+# Kernel choices ``bench/kern_sweep.py`` times against each other (template parameters, not user
+# flags; the defaults are the measured best so far):
+#   glu_layout  rows: a program per row (tile) of the intermediate size, as above;
+#               flat: separate gate/up only -- the row-contiguous tensors as one flat array,
+#               FLAT_BLOCK elements per program, masked only at the end (what Inductor generates)
+#   evict       evict_first on the streamed loads
+GLU_TUNING = {"glu_layout": "rows", "FLAT_BLOCK": 2048, "evict": False}
 
 
 class FusedGLU(Op):
