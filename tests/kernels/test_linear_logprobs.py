@@ -147,6 +147,47 @@ def test_target_count_mismatch_raises():
         kernels(100, 32, "fp32").linear_logprobs(h, w, None, y[:9])
 
 
+def test_custom_ops_opcheck_trace_and_match_eager():
+    """The torch.compile door: both ops pass opcheck (bias, temperature, a ragged chunk), make_fx
+    traces the entry to the two opaque ops (no Triton launch in the graph), and the custom-op path
+    gives the eager path's values and gradients."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from patchdsl.codegen import custom_ops
+
+    h, w, b, y, g = make((2, 5), 32, 90, "fp32", True, seed=11, ignore_every=3)
+    mod = kernels(90, 32, "fp32", bias=True, chunk=4)
+    fwd, bwd = mod.CUSTOM_OPS
+    args = (h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_(), y, 1 / 0.8)
+    assert all(v == "SUCCESS" for v in torch.library.opcheck(fwd, args).values())
+    stats = fwd(*(a.detach() if torch.is_tensor(a) else a for a in args))
+    g_stats = torch.randn(stats.shape, generator=g).to(DEVICE)
+    for needs in ((True, True, True), (True, False, False), (False, True, True)):
+        assert all(v == "SUCCESS" for v in torch.library.opcheck(bwd, (h, w, b, y, stats, g_stats, 1 / 0.8, *needs)).values())
+
+    def entry(h, w, b, y):
+        return mod.linear_logprobs(h, w, b, y, 0.8)[:3]
+
+    with custom_ops.use_custom_ops():
+        gm = make_fx(entry, tracing_mode="fake")(h, w, b, y)
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "patchdsl" in str(n.target)]
+    assert len(called) == 1 and called[0].endswith("_fwd.default"), called
+
+    ups = [torch.randn(y.shape, generator=g).to(DEVICE) for _ in range(3)]
+    results = []
+    for forced in (False, True):
+        ins = [t.clone().requires_grad_() for t in (h, w, b)]
+        if forced:
+            with custom_ops.use_custom_ops():
+                out = mod.linear_logprobs(*ins, y, 0.8)
+        else:
+            out = mod.linear_logprobs(*ins, y, 0.8)
+        sum((o * u).sum() for o, u in zip(out[:3], ups)).backward()
+        results.append([o.detach() for o in out] + [t.grad for t in ins])
+    for a, e in zip(results[1], results[0]):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="device memory accounting needs CUDA")
 def test_extra_memory_is_one_chunk_of_logits():
