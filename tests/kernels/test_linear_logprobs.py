@@ -216,15 +216,16 @@ def test_extra_memory_is_one_chunk_of_logits():
     Not the op's: cuBLAS keeps one workspace per (thread, stream) once a matmul ran there (32 MiB
     each on Hopper), and the forward runs on the calling thread while the backward runs on the
     autograd engine's device thread.  An earlier version of this test counted both (64 MiB over
-    its bound on the H200); a warm-up call on 8 tokens allocates them before the measurement."""
+    its bound on the H200); a warm-up call (two chunks) allocates them before the measurement."""
     n, hidden, vocab = 16384, 1024, 151936
     h, w, b, y, g = make((n,), hidden, vocab, "bf16", False, seed=1)
     mod = kernels(vocab, hidden, "bf16")
     _, p, _ = _source(vocab, hidden, target="cuda")
     assert p["chunk"] == mod.CHUNK
     ws = w.clone().requires_grad_()
-    hw = h[:8].clone().requires_grad_()                       # warm-up: cuBLAS workspaces of both threads
-    lp, ent = mod.linear_logprobs(hw, ws, None, y[:8])[:2]
+    k = mod.CHUNK + 8                                         # warm-up (two chunks: every matmul call site)
+    hw = h[:k].clone().requires_grad_()
+    lp, ent = mod.linear_logprobs(hw, ws, None, y[:k])[:2]
     (lp.sum() - 0.01 * ent.sum()).backward()
     ws.grad = None
     del hw, lp, ent
