@@ -40,15 +40,18 @@ current directory, and prints the table and the verdict last.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import sys
 import time
-import traceback
-from pathlib import Path
-from typing import Any, Callable
+
+T_START = time.perf_counter()        # the budget counts the imports too
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -78,8 +81,8 @@ class Unavailable(Exception):
 
 # ------------------------------------------------------------------------------ measuring
 class Clock:
-    def __init__(self, budget: float):
-        self.t0 = time.perf_counter()
+    def __init__(self, budget: float, t0: float | None = None):
+        self.t0 = time.perf_counter() if t0 is None else t0
         self.budget = budget
 
     def left(self) -> float:
@@ -379,7 +382,7 @@ def logits_forward(model):
     model.forward = MethodType(forward, model)
 
 
-def recipe(S: dict, dev: torch.device, tiny: bool, out_dir: Path) -> dict:
+def recipe(S: dict, dev: torch.device, tiny: bool, out_dir: Path, clock: Clock) -> dict:
     """TRL DPOTrainer.compute_loss + backward, Qwen3-0.6B architecture, trl / patchdsl / logits."""
     import copy
 
@@ -432,6 +435,9 @@ def recipe(S: dict, dev: torch.device, tiny: bool, out_dir: Path) -> dict:
     outs = {}
     spec = f"dtype {S['dtype']}\nlm_head: Linear -> fused_linear_logprobs\n"
     for variant in ("trl", "patchdsl", "logits"):
+        if clock.left() < 3:
+            res["variants"][variant] = {"skipped": f"time budget ({clock.budget:.0f} s) used up"}
+            continue
         handles = []
         saved = {m: m.__dict__.get("forward") for m in (model, trainer.ref_model)}
         try:
@@ -467,7 +473,7 @@ def recipe(S: dict, dev: torch.device, tiny: bool, out_dir: Path) -> dict:
 
 # ------------------------------------------------------------------------------ driver
 def run(S: dict, dev: torch.device, clock: Clock, liger_compiled: str, tiny: bool, out_dir: Path,
-        recipe_reserve: float, log: Callable[[str], None]) -> dict:
+        recipe_reserve: float, log: Callable[[str], None], save: Callable[[dict], None] = lambda doc: None) -> dict:
     doc: dict[str, Any] = {"sizes": S, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                            "versions": versions(), "tolerances": {"ops": TOL, "recipe": RECIPE_TOL},
                            "cases": {}, "recipe": None}
@@ -517,6 +523,7 @@ def run(S: dict, dev: torch.device, clock: Clock, liger_compiled: str, tiny: boo
                 one(case, peer)
         if "liger" not in peers:
             done_with(case)
+        save(doc)
     for case, (_, peers) in CASES.items():          # pass 2: Liger (its torch.compile warm-up is the unknown)
         if "liger" in peers:
             if liger_compiled == "auto":
@@ -525,9 +532,10 @@ def run(S: dict, dev: torch.device, clock: Clock, liger_compiled: str, tiny: boo
                 compiled = liger_compiled == "1"
             one(case, "liger", compiled)
             done_with(case)
-    if clock.left() > 5:
+            save(doc)
+    if clock.left() > 8:
         try:
-            doc["recipe"] = recipe(S, dev, tiny, out_dir)
+            doc["recipe"] = recipe(S, dev, tiny, out_dir, clock)
         except Exception as e:                                    # noqa: BLE001
             doc["recipe"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     else:
@@ -571,6 +579,16 @@ def failures(doc: dict) -> list[str]:
     return bad
 
 
+def skipped(doc: dict) -> list[str]:
+    """What the time budget left out (or could not run for want of a reference)."""
+    out = [f"{case}/{peer}" for case, e in doc["cases"].items() for peer, r in e["peers"].items() if "skipped" in r]
+    rc = doc.get("recipe") or {}
+    if "skipped" in rc:
+        out.append("recipe")
+    out += [f"recipe/{v}" for v, r in (rc.get("variants") or {}).items() if "skipped" in r]
+    return out
+
+
 def _fmt(x, f="{:.3f}") -> str:
     return "-" if x is None else f.format(x)
 
@@ -603,7 +621,7 @@ def table(doc: dict) -> str:
         base = rc["variants"].get("trl", {})
         for variant, r in rc["variants"].items():
             if "ms" not in r:
-                lines.append(f"  {variant:<9} {r.get('error', '')[:100]}")
+                lines.append(f"  {variant:<9} {(r.get('error') or r.get('skipped', ''))[:100]}")
                 continue
             saved = (base.get("peak_extra_mib") - r["peak_extra_mib"]) if (
                 base.get("peak_extra_mib") is not None and r.get("peak_extra_mib") is not None) else None
@@ -623,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for posttrain.json/.txt (default: $PART_OUT, else .)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run; the times mean nothing)")
     ap.add_argument("--device", default=None, help="cuda when available, else cpu")
-    ap.add_argument("--budget", type=float, default=58.0, help="seconds for the whole run (default 58)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole run, imports included (default 58; --tiny: none)")
     ap.add_argument("--liger-compiled", choices=("auto", "0", "1"), default="auto",
                     help="Liger's torch.compile: auto = on when the budget leaves 30 s for its warm-up (CUDA only)")
     ap.add_argument("--recipe-reserve", type=float, default=15.0, help="seconds kept for the recipe (default 15)")
@@ -632,11 +651,18 @@ def main(argv: list[str] | None = None) -> int:
     S = dict(TINY if a.tiny else FULL)
     out_dir = Path(a.out or os.environ.get("PART_OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
-    clock = Clock(math.inf if a.tiny else a.budget)
+    clock = Clock(a.budget if a.budget is not None else (math.inf if a.tiny else 58.0), T_START)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    doc = run(S, dev, clock, a.liger_compiled, a.tiny, out_dir, a.recipe_reserve, log)
+
+    def save(doc: dict) -> None:          # after every case: a run cut by its time limit keeps what finished
+        doc["verdict"] = "INCOMPLETE"
+        (out_dir / "posttrain.json").write_text(json.dumps(doc, indent=1, default=str))
+
+    doc = run(S, dev, clock, a.liger_compiled, a.tiny, out_dir, a.recipe_reserve, log, save)
     bad = failures(doc)
-    doc["verdict"] = "FAIL" if bad else "PASS"
+    left_out = skipped(doc)
+    doc["verdict"] = "FAIL" if bad else ("PASS" if not left_out else f"PASS, partial ({len(left_out)} skipped)")
+    doc["skipped"] = left_out
     doc["failures"] = bad
     (out_dir / "posttrain.json").write_text(json.dumps(doc, indent=1, default=str))
     text = table(doc)

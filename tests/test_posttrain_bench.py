@@ -49,6 +49,16 @@ def test_tiny_run_measures_every_peer_and_they_agree(tmp_path):
     assert "dpo           patchdsl" in text and "recipe: TRL DPOTrainer.compute_loss" in text
 
 
+def test_a_spent_budget_skips_and_says_so(tmp_path):
+    """Out of time (the GPU part's limit): every measurement is skipped, named, and the JSON written."""
+    pb = bench_module()
+    assert pb.main(["--tiny", "--budget", "0", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "posttrain.json").read_text())
+    n = sum(len(peers) for _, peers in pb.CASES.values()) + 1
+    assert doc["verdict"] == f"PASS, partial ({n} skipped)" and "recipe" in doc["skipped"]
+    assert "time budget (0 s) used up" in (tmp_path / "posttrain.txt").read_text()
+
+
 def test_a_disagreeing_peer_fails_the_run():
     pb = bench_module()
     ref = {"loss": {"loss": torch.tensor(0.7)}, "grads": {"weight": torch.ones(4, 3)}}
