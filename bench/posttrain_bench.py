@@ -536,6 +536,8 @@ def run(S: dict, dev: torch.device, clock: Clock, liger_compiled: str, tiny: boo
     if clock.left() > 8:
         try:
             doc["recipe"] = recipe(S, dev, tiny, out_dir, clock)
+        except ImportError as e:                                  # trl / datasets not installed here
+            doc["recipe"] = {"unavailable": f"{type(e).__name__}: {e}"}
         except Exception as e:                                    # noqa: BLE001
             doc["recipe"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     else:
@@ -632,7 +634,7 @@ def table(doc: dict) -> str:
             lines.append(f"  {variant:<9} {r['ms']:>9.1f} ms  peak +{_fmt(r.get('peak_extra_mib'), '{:.0f}')} MiB"
                          f"  (vs trl: {_fmt(saved, '{:+.0f}')} MiB saved)  loss {r['loss']:.5f}  {agree}")
     elif rc:
-        lines.append(f"recipe: {rc.get('skipped') or rc.get('error', '')}")
+        lines.append(f"recipe: {rc.get('skipped') or rc.get('unavailable') or rc.get('error', '')}")
     return "\n".join(lines)
 
 
