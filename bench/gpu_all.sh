@@ -18,12 +18,12 @@
 # verify           65  (e) patchdsl verify specs/qwen3.kpatch, full Qwen3-0.6B, bf16, 4x1024, 2 steps
 # compile_check    20  (f) bench/compile_check.py, when the file exists
 # mixed_verify     15  (f) bench/mixed_verify.py, when the file exists
-# posttrain        20  (f) bench/posttrain_bench.py when it exists, else `bench ops` of the post-training op
+# posttrain        60  (f) bench/posttrain_bench.py --budget (limit - 5) when it exists, else `bench ops` of the post-training op
 #                          families (logprobs / jsd / dpo / grpo) when bench/cases.py has them
 # ops              40  (g) bench ops GeGLU 16384x6912 + RMSNorm 16384x1024 vs torch.compile and Liger, then
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
-# (limits sum to 555; a part never gets more than what is left of TOTAL minus 12 s for the summary)
+# (limits sum to 595; a part never gets more than what is left of TOTAL minus 12 s for the summary)
 # By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s): bench ops
 # --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
 # part, patchdsl vs Liger per family); SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
@@ -128,7 +128,7 @@ for part in $PARTS; do
     verify)  lim=$(limit verify 65) ;;
     compile_check) lim=$(limit compile_check 20) ;;
     mixed_verify) lim=$(limit mixed_verify 15) ;;
-    posttrain) lim=$(limit posttrain 20) ;;
+    posttrain) lim=$(limit posttrain 60) ;;
     ops)     lim=$(limit ops 40) ;;
     e2e_specs) lim=$(limit e2e_specs 40) ;;
     sweep)   lim=$(limit sweep 300) ;;
@@ -198,7 +198,8 @@ for part in $PARTS; do
     posttrain)
       if [ -f bench/posttrain_bench.py ]; then
         mkdir -p "$WORK/posttrain"
-        PART_OUT="$WORK/posttrain" run_part posttrain "$lim" python3 bench/posttrain_bench.py
+        PART_OUT="$WORK/posttrain" run_part posttrain "$lim" python3 bench/posttrain_bench.py --budget $(( lim - 5 ))
+        [ -f "$WORK/posttrain/posttrain.txt" ] && cat "$WORK/posttrain/posttrain.txt" >>"$WORK/summary.parts"
       else
         fams=$(timeout 60 python3 -c "from patchdsl.bench.cases import families; print(','.join(n for n in families() if any(k in n for k in ('logprob', 'jsd', 'dpo', 'grpo', 'kl'))))" 2>>"$LOG")
         if [ -n "$fams" ]; then

@@ -80,6 +80,8 @@ OPCHECK_RUNS = {
     "phi3": (lambda: tiny("phi3"), "dtype fp32\n*.mlp: SwiGLU -> fused_swiglu\n*.self_attn: Attention -> fused_rope\n"
                                    "lm_head: Linear -> fused_linear_cross_entropy(reduction='none')\n"),
     "phi": (tiny_phi, "dtype fp32\n*.input_layernorm, model.final_layernorm: LayerNorm -> fused_layernorm\n"),
+    # the labels loss from per-token log-probs; chunks of 3 do not divide the 4 shifted tokens
+    "logprobs": (lambda: tiny("qwen3"), "dtype fp32\nlm_head: Linear -> fused_linear_logprobs(chunk=3)\n"),
 }
 
 
@@ -93,8 +95,7 @@ def test_opcheck_runs_cover_every_op():
     for build, spec in OPCHECK_RUNS.values():
         covered |= {r.op.name for r in _spec(spec).rules}
     generated = {name for name, op in ops().items() if not op.external}   # hub/liger: third-party kernels
-    # fused_linear_logprobs has no custom op yet: its entry is torch.compiler.disable'd (a graph break)
-    assert covered == generated - {"fused_linear_logprobs"}, sorted(generated - covered)
+    assert covered == generated, sorted(generated - covered)
 
 
 def _snapshot(x, grad: bool):
@@ -234,3 +235,92 @@ def test_missing_kernel_dtype_under_compile_says_what_to_do():
     model.model.norm(x)         # eager loads it; then the compiled module traces
     torch.testing.assert_close(torch.compile(model.model.norm, backend="aot_eager", fullgraph=True)(x),
                                model.model.norm(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------- per-token log-probs (TRL's fused_lm_head)
+LOGPROBS_SPEC = "dtype fp32\nlm_head: Linear -> fused_linear_logprobs(temperature=0.7, chunk=4)\n"
+
+
+def _patchdsl_ops_in(graph_module) -> list[str]:
+    return [str(n.target) for n in graph_module.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith(custom_ops.NAMESPACE + ".")]
+
+
+def _logprob_step(call, model, ids, am, labels):
+    """TRL's call (``fused_lm_head=True``) and a loss on every differentiable field; values and grads."""
+    for p in model.parameters():
+        p.grad = None
+    out = call(input_ids=ids, attention_mask=am, labels=labels, fused_lm_head=True)
+    loss = out.loss + 0.3 * out.entropy.sum() - 0.01 * out.lse.sum()
+    loss.backward()
+    vals = {k: getattr(out, k).detach().clone() for k in ("log_probs", "entropy", "lse", "mean_logits",
+                                                           "log_sum_sq_probs", "is_top1", "loss")}
+    return vals, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _logprob_batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 320, (2, 7), generator=g)
+    am = torch.ones_like(ids)
+    am[1, :2] = 0                                    # left padding
+    labels = ids.masked_fill(torch.arange(7) < 3, -100)     # a prompt of 3 tokens
+    return ids, am, labels
+
+
+@pytest.mark.parametrize("trl_head", [False, True], ids=["plain", "over_trl_fused_head"])
+def test_fused_lm_head_compiles_fullgraph(trl_head, monkeypatch):
+    """``model(..., labels=, fused_lm_head=True)`` on a patched model compiles with fullgraph=True (a
+    graph break would raise), with patchdsl's forward and backward ops in the graph, the same values
+    and gradients as eager, and no recompile for new inputs; also over TRL's own fused head (TRL's
+    trainers install it first; trl 1.16's head alone breaks the graph twice on torch 2.13)."""
+    model = tiny("qwen3")
+    if trl_head:
+        trl_utils = pytest.importorskip("trl.trainer.utils")
+        trl_utils.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    handle = patchdsl.apply(load_spec(LOGPROBS_SPEC), model, strict=True)
+    ids, am, labels = _logprob_batch(1)
+    ex = torch._dynamo.explain(model)(input_ids=ids, attention_mask=am, labels=labels, fused_lm_head=True)
+    assert ex.graph_break_count == 0 and len(ex.graphs) == 1, ex.break_reasons
+    assert len(_patchdsl_ops_in(ex.graphs[0])) == 1          # the forward op, one opaque node
+    torch._dynamo.reset()
+
+    graphs = []
+
+    def backend(gm, example_inputs):               # aot_eager, keeping the joint graph's op calls
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(g, _):
+            graphs.append(g)
+            return make_boxed_func(g.forward)
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    eager_vals, eager_grads = _logprob_step(model, model, ids, am, labels)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    vals, grads = _logprob_step(compiled, model, ids, am, labels)
+    called = [op for g in graphs for op in _patchdsl_ops_in(g)]
+    assert any(op.endswith("_fwd.default") for op in called) and any(op.endswith("_bwd.default") for op in called), called
+    for k, v in eager_vals.items():
+        assert torch.equal(v, vals[k]) if v.dtype == torch.bool else rel_err(vals[k], v) <= TOL, k
+    assert grads.keys() == eager_grads.keys()
+    assert max(rel_err(grads[n], eager_grads[n]) for n in grads) <= TOL
+
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    ids2, am2, labels2 = _logprob_batch(2)
+    vals2, grads2 = _logprob_step(compiled, model, ids2, am2, labels2)
+    eager2, egrads2 = _logprob_step(model, model, ids2, am2, labels2)
+    assert rel_err(vals2["log_probs"], eager2["log_probs"]) <= TOL
+    assert max(rel_err(grads2[n], egrads2[n]) for n in grads2) <= TOL
+    handle.undo()
+
+
+def test_logprobs_labels_loss_compiles_fullgraph():
+    """A plain training call with labels (HF's loss from the log-prob kernels) compiles fullgraph too."""
+    model = tiny("qwen3")
+    handle = patchdsl.apply(load_spec(LOGPROBS_SPEC), model, strict=True)
+    ids, _, labels = _logprob_batch(3)
+    loss_e, grads_e = _step(model, model, ids, labels)
+    loss_c, grads_c = _step(torch.compile(model, backend="aot_eager", fullgraph=True), model, ids, labels)
+    assert rel_err(loss_c, loss_e) <= TOL
+    assert max(rel_err(grads_c[n], grads_e[n]) for n in grads_e) <= TOL
+    handle.undo()

@@ -33,6 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_pythonpath() -> str:
+    """PYTHONPATH for a child process: this checkout first, then every directory on this process's
+    ``sys.path`` (PYTHONPATH entries included, in order).  The children import what the test process
+    can: on the GPU box lark & co. come from wheels that bench/gpu_all.sh installs into /tmp/site and
+    puts on PYTHONPATH, which the first version of this helper replaced by the checkout alone."""
+    parts = [str(REPO)]
+    for p in [*os.environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path]:
+        if p and os.path.isdir(p) and os.path.abspath(p) not in {os.path.abspath(q) for q in parts}:
+            parts.append(p)
+    return os.pathsep.join(parts)
+
+
 def launch(nproc: int, argv: list[str], out: Path) -> dict:
     """Run ``python argv`` as ``nproc`` ranks; return the JSON rank 0 wrote to ``out``."""
     port = free_port()
@@ -41,7 +53,7 @@ def launch(nproc: int, argv: list[str], out: Path) -> dict:
     procs = []
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+                   MASTER_PORT=str(port), PYTHONPATH=child_pythonpath(), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         if loopback:
             env["GLOO_SOCKET_IFNAME"] = loopback
         procs.append(subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -62,6 +74,22 @@ def launch(nproc: int, argv: list[str], out: Path) -> dict:
                           for r, (p, o) in enumerate(zip(procs, outs)))
         pytest.fail(f"{' '.join(argv)} failed:\n{shown}", pytrace=False)
     return json.loads(out.read_text())
+
+
+def test_children_import_what_the_parent_imports(tmp_path, monkeypatch):
+    """A module found only through a directory the test process added to sys.path (as
+    gpu_all.sh's /tmp/site on PYTHONPATH) imports in the ranks' children too."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "patchdsl_probe_only_here.py").write_text("VALUE = 17\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", "")
+    code = "import patchdsl_probe_only_here as m, patchdsl; print(m.VALUE, patchdsl.__file__)"
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    value, where = r.stdout.split()
+    assert value == "17" and Path(where).resolve().is_relative_to(REPO)      # this checkout's patchdsl first
 
 
 def close(a: list[float], b: list[float], rel: float = 1e-5) -> bool:

@@ -528,12 +528,13 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
     import torch
 
     shape = forward_shape(type(host))
-    sig = inspect.signature(shape.func)
+    bind = signature_binder(shape.sig)     # traceable by Dynamo, unlike sig.bind
     var_kw = shape.var_kw
     original = original_forward(host)
     ignore = int(flags.get("ignore_index", -100))
     temperature = float(flags.get("temperature", 1.0))
     supported = {torch.float32, torch.bfloat16, torch.float16}
+    output_cls = fused_output_cls()        # made now: a class created while Dynamo traces would break the graph
 
     def forward(self, *args, **kwargs):
         fused = bool(kwargs.get("fused_lm_head", False))
@@ -542,11 +543,9 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
         kw = dict(kwargs)
         kw.pop("fused_lm_head", None)
         try:
-            bound = sig.bind(self, *args, **kw)
+            a = bind(self, *args, **kw)
         except TypeError:
             return original(self, *args, **kwargs)
-        bound.apply_defaults()
-        a = dict(bound.arguments)
         a.pop("self", None)
         extra = dict(a.pop(var_kw, {}) or {}) if var_kw else {}
         labels = a.get("labels")
@@ -594,9 +593,9 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
         rest = {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None))
                 for f in shape.output_fields}
         if fused:
-            out = fused_output_cls()(loss=loss, log_probs=lp, entropy=ent, lse=lse, log_sum_sq_probs=lssq,
-                                     mean_logits=mean, is_top1=top1, label_mask=mask,
-                                     **{k: v for k, v in rest.items() if k in FUSED_FIELDS})
+            out = output_cls(loss=loss, log_probs=lp, entropy=ent, lse=lse, log_sum_sq_probs=lssq,
+                             mean_logits=mean, is_top1=top1, label_mask=mask,
+                             **{k: v for k, v in rest.items() if k in FUSED_FIELDS})
         else:
             out = shape.output_cls(loss=loss, logits=None, **rest)
         return out if return_dict else out.to_tuple()
