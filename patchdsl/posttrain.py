@@ -1,4 +1,5 @@
-"""Preference and RL losses on per-token log-probabilities from ``fused_linear_logprobs``.
+"""Preference and RL losses on per-token log-probabilities from ``fused_linear_logprobs``, and the
+distillation loss of ``fused_linear_jsd`` (:func:`distill_loss`).
 
 A causal LM patched with ``lm_head: Linear -> fused_linear_logprobs`` answers
 ``model(input_ids=..., attention_mask=..., labels=labels, fused_lm_head=True)`` with per-token
@@ -158,3 +159,41 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     if torch.is_tensor(denom):
         denom = denom.clamp(min=1.0)
     return masked.sum() / denom
+
+
+# --------------------------------------------------------------------------- distillation
+def distill_loss(student: Any, teacher: Any, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, temperature: float | None = None,
+                 num_items_in_batch: Any = None, **kwargs: Any) -> torch.Tensor:
+    """The distillation loss of ``student`` (patched with ``lm_head: Linear -> fused_linear_jsd(...)``)
+    towards ``teacher`` (any causal LM with ``.model`` and ``.lm_head``, unpatched or not) on one batch.
+
+    Runs the teacher's body under ``no_grad`` (its last hidden state, after the final norm), then the
+    student with ``teacher_hidden_states`` / ``teacher_head=teacher.lm_head``: the generalised JSD of
+    the spec's ``beta`` between the two next-token distributions at every position whose next label
+    is not ignored (``labels[:, t + 1] != -100``; every position when ``labels`` is None), divided by
+    ``num_items_in_batch`` (default: the number of such positions).  ``temperature`` overrides the
+    spec's for this call.  Equals TRL's ``GKDTrainer.generalized_jsd_loss(student_logits[:, :-1],
+    teacher_logits[:, :-1], labels[:, 1:], beta, temperature)`` (reduction ``batchmean``).
+    Gradients reach the student only.  Extra keyword arguments go to both models.
+    """
+    fwd = getattr(student, "forward", None)
+    if not getattr(fwd, "_patchdsl_jsd", False):
+        raise ValueError("distill_loss: the student is not patched with fused_linear_jsd; apply a spec with "
+                         "'lm_head: Linear -> fused_linear_jsd(beta=..., temperature=...)' first "
+                         "(patchdsl.apply(spec, student))")
+    for name in ("model", "lm_head"):
+        if not hasattr(teacher, name):
+            raise ValueError(f"distill_loss: the teacher ({type(teacher).__name__}) has no .{name}; pass a causal LM "
+                             "such as AutoModelForCausalLM")
+    with torch.no_grad():
+        body = teacher.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+        h_t = body.last_hidden_state if hasattr(body, "last_hidden_state") else body[0]
+    extra = dict(kwargs)
+    if temperature is not None:
+        extra["distill_temperature"] = temperature
+    if num_items_in_batch is not None:
+        extra["num_items_in_batch"] = num_items_in_batch
+    out = student(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False,
+                  teacher_hidden_states=h_t, teacher_head=teacher.lm_head, **extra)
+    return out.loss
