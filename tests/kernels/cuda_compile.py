@@ -292,7 +292,10 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
                             setattr(obj, attr, value)
                         sites.append(path)
                     if sites:
-                        res = model(inputs_embeds=embeds, labels=ids)
+                        extra = {}
+                        if op.name == "fused_linear_jsd":      # a distillation call: self-distillation, any teacher
+                            extra = {"teacher_hidden_states": embeds.detach(), "teacher_head": model.lm_head}
+                        res = model(inputs_embeds=embeds, labels=ids, **extra)
                         loss = res.loss if res.loss is not None else res.logits.float().sum()
                         loss.float().sum().backward()
                         model.zero_grad(set_to_none=True)
