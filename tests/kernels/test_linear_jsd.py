@@ -17,7 +17,7 @@ from patchdsl.codegen import custom_ops
 from patchdsl.ops.base import ModuleInfo
 from patchdsl.ops.registry import get_op
 
-from .helpers import DEVICE, ON_GPU, TORCH_DTYPES, assert_close, kernel_for, sizes
+from .helpers import DEVICE, ON_GPU, TORCH_DTYPES, assert_close, assert_kernel_globals_constexpr, kernel_for, sizes
 
 OP = "fused_linear_jsd"
 IGN = -100
@@ -228,6 +228,8 @@ def test_specialisation_and_name():
     assert name0.startswith("fused_linear_jsd_bf16_h64_v1024_beta0_")
     rev_kl, _, _ = _source(1024, 64, beta=1.0)
     assert "LOG_BETA" not in rev_kl and "# pass 3" in rev_kl and "term = ps * (ls - lt)" in rev_kl
+    for beta in (0.0, 0.5, 1.0):          # compiled Triton reads module globals only as constexpr
+        assert_kernel_globals_constexpr(kernels(100, 16, "fp32", beta=beta), min_kernels=2)
 
 
 @pytest.mark.gpu
