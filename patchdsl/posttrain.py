@@ -197,3 +197,34 @@ def distill_loss(student: Any, teacher: Any, input_ids: torch.Tensor, labels: to
     out = student(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False,
                   teacher_hidden_states=h_t, teacher_head=teacher.lm_head, **extra)
     return out.loss
+
+
+class FusedGKDLoss:
+    """Mixin for TRL's ``GKDTrainer`` (``trl.experimental.gkd``): its ``compute_loss`` through
+    :func:`distill_loss`, so neither model's logits are materialised::
+
+        class Trainer(FusedGKDLoss, GKDTrainer): ...
+        trainer = Trainer(model=student, teacher_model=teacher, args=GKDConfig(beta=0.5, ...), ...)
+        patchdsl.apply("lm_head: Linear -> fused_linear_jsd(beta=0.5)", trainer.model)   # the spec's beta = args.beta
+
+    TRL's own ``compute_loss`` pairs ``logits[:, :-1]`` with ``labels[:, 1:]``, calls
+    ``generalized_jsd_loss(..., beta=self.beta, num_items_in_batch=...)`` at temperature 1 (GKDConfig's
+    temperature is for sampling) and returns the student's outputs with ``return_outputs``; this
+    gives the same loss (tests/test_distill.py) and, with ``return_outputs``, the student's output
+    without logits.  The patched student's beta must equal ``self.beta`` and its temperature 1
+    (checked: a ValueError says which differs).
+    """
+
+    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None):
+        info = getattr(getattr(model, "forward", None), "_patchdsl_jsd", None)
+        if isinstance(info, dict):
+            want = float(getattr(self, "beta", info["beta"]))
+            if info["beta"] != want or info["temperature"] != 1.0:
+                raise ValueError(f"FusedGKDLoss: the student is patched with fused_linear_jsd(beta={info['beta']}, "
+                                 f"temperature={info['temperature']}) but the trainer's loss uses beta={want}, "
+                                 "temperature=1.0; make the spec's flags match GKDConfig.beta")
+        teacher = self.teacher_model
+        teacher.eval()
+        loss = distill_loss(model, teacher, inputs["input_ids"], inputs.get("labels"), inputs.get("attention_mask"),
+                            num_items_in_batch=num_items_in_batch)
+        return (loss, None) if return_outputs else loss

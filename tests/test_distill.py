@@ -104,3 +104,36 @@ def test_wrong_teachers_fail_with_located_errors():
         student(input_ids=ids, labels=labels, teacher_head=narrow.lm_head)
     with pytest.raises(ValueError, match="not patched with fused_linear_jsd"):
         distill_loss(tiny_model("qwen3"), narrow, ids, labels)
+
+
+@cpu_only
+@pytest.mark.parametrize("beta", [0.5, 0.0])
+def test_gkd_trainer_compute_loss_patched_equals_trl(beta):
+    """TRL's GKDTrainer.compute_loss (unpatched student, materialised logits) and FusedGKDLoss's
+    (patched student, fused_linear_jsd) on the same batch: equal loss and student gradients."""
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    from types import SimpleNamespace
+
+    from patchdsl.posttrain import FusedGKDLoss
+
+    teacher = tiny_model("qwen3", seed=2, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+    plain = tiny_model("qwen3", seed=1)
+    fused = copy.deepcopy(plain)
+    patchdsl.apply(SPEC.format(beta=beta, t=1.0), fused, strict=True)
+    ids, labels = batch(3)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    trl_self = SimpleNamespace(teacher_model=teacher, beta=beta,
+                               generalized_jsd_loss=gkd.GKDTrainer.generalized_jsd_loss)
+    want = gkd.GKDTrainer.compute_loss(trl_self, plain, inputs, num_items_in_batch=torch.tensor(9))
+    got = FusedGKDLoss.compute_loss(SimpleNamespace(teacher_model=teacher, beta=beta), fused, inputs,
+                                    num_items_in_batch=torch.tensor(9))
+    want.backward()
+    got.backward()
+    assert abs(got.item() - want.item()) <= 2e-5 * abs(want.item()), (got.item(), want.item())
+    mine = dict(fused.named_parameters())
+    for name, p in plain.named_parameters():
+        err = (mine[name].grad - p.grad).norm() / p.grad.norm().clamp(min=1e-30)
+        assert err <= 1e-4, (name, float(err))
+    with pytest.raises(ValueError, match=r"fused_linear_jsd\(beta=%s, temperature=1.0\) but the trainer's loss uses "
+                                         r"beta=0.7" % beta):
+        FusedGKDLoss.compute_loss(SimpleNamespace(teacher_model=teacher, beta=0.7), fused, inputs)

@@ -731,5 +731,5 @@ def make_jsd_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], sit
 
     forward.__doc__ = (f"{type(host).__name__}.forward with the fused distillation loss (patchdsl fused_linear_jsd): "
                        "teacher_hidden_states= and teacher_head= return loss = generalised JSD, logits=None.")
-    forward._patchdsl_jsd = True
+    forward._patchdsl_jsd = {"beta": float(flags.get("beta", 0.5)), "temperature": temperature, "ignore_index": ignore}
     return forward
