@@ -119,4 +119,25 @@ class FusedLinearJSD(Op):
         return [(host, "forward", types.MethodType(make_jsd_forward(host, kernels, flags, info.path), host))]
 
 
+    # verify: a synthetic teacher (seeded hidden states and head), the unpatched copies computing the
+    # same loss from materialised logits in plain PyTorch (TRL's generalized_jsd_loss formula)
+    def parity_reference(self, host, flags):
+        import types
+
+        from .loss_path import make_jsd_forward
+        return [(host, "forward", types.MethodType(make_jsd_forward(host, None, flags, "lm_head"), host))]
+
+    def parity_kwargs(self, host, flags, batch, seq, gen):
+        import torch
+
+        from .kinds import unwrap
+        w = unwrap(host.lm_head).weight
+        vocab = w.shape[0]
+        t_hidden = flags.get("teacher_hidden", "auto")
+        t_hidden = w.shape[1] + 16 if t_hidden == "auto" else int(t_hidden)     # unlike the student's
+        h_t = torch.randn(batch, seq, t_hidden, generator=gen, dtype=torch.float64)
+        w_t = torch.randn(vocab, t_hidden, generator=gen, dtype=torch.float64) * (2.0 / t_hidden ** 0.5)
+        return {"teacher_hidden_states": h_t, "teacher_head": w_t}
+
+
 register(FusedLinearJSD())

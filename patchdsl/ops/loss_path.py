@@ -626,7 +626,38 @@ def _teacher_weights(head: Any, where: str) -> tuple[Any, Any]:
                     f"got {type(head).__name__}")
 
 
-def make_jsd_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], site: str = "lm_head") -> Callable:
+def reference_jsd(hidden: Any, w: Any, b: Any, h_t: Any, w_t: Any, b_t: Any, targets: Any, num_items: Any,
+                  temperature: float, beta: float, ignore: int) -> Any:
+    """The distillation loss from materialised logits in plain PyTorch (TRL's generalized_jsd_loss
+    formula, fp32 math or wider): what verify's unpatched copies compute (``make_jsd_forward(host, None, ...)``)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    zs = F.linear(hidden, w, b)
+    with torch.no_grad():
+        zt = F.linear(h_t.to(w_t.dtype), w_t, b_t)
+    wide = torch.promote_types(zs.dtype, torch.float32)
+    s = (zs.to(wide) / temperature).log_softmax(-1)
+    t = (zt.to(wide) / temperature).log_softmax(-1)
+    if beta == 0:
+        jsd = (t.exp() * (t - s)).sum(-1)
+    elif beta == 1:
+        jsd = (s.exp() * (s - t)).sum(-1)
+    else:
+        m = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
+        jsd = beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+    if targets is None:
+        mask = torch.ones(jsd.shape, dtype=torch.bool, device=jsd.device)
+    else:
+        mask = targets != ignore
+    total = torch.where(mask, jsd, torch.zeros_like(jsd)).sum()
+    den = mask.sum().clamp(min=1) if num_items is None else num_items
+    return total / den
+
+
+def make_jsd_forward(host: Any, kernels: Callable | None, flags: Mapping[str, Any], site: str = "lm_head") -> Callable:
     """The replacement forward of ``fused_linear_jsd`` (see :mod:`patchdsl.ops.linear_jsd`).
 
     A call with ``teacher_hidden_states`` (the teacher's last hidden state, after its final norm,
@@ -637,6 +668,7 @@ def make_jsd_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], sit
     generalised JSD from the generated kernels and ``logits=None``, in training and in eval, with or
     without grad.  ``distill_temperature=`` overrides the flag's temperature for that call.  Any
     other call: the original forward.  Shape errors name the site and say what was expected.
+    ``kernels=None``: the same call answered by :func:`reference_jsd` (verify's unpatched copies).
     """
     import torch
 
@@ -647,6 +679,7 @@ def make_jsd_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], sit
     ignore = int(flags.get("ignore_index", -100))
     temperature = float(flags.get("temperature", 1.0))
     teacher_hidden = flags.get("teacher_hidden", "auto")
+    beta = float(flags.get("beta", 0.5))
     supported = {torch.float32, torch.bfloat16, torch.float16}
     where = f"fused_linear_jsd on {site or '<model>'} ({type(host).__name__})"
 
@@ -677,7 +710,7 @@ def make_jsd_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], sit
                              f"{extra['ignore_index']}")
         extra.pop("ignore_index", None)
         lm = unwrap(self.lm_head)
-        if lm.weight.dtype not in supported:
+        if kernels is not None and lm.weight.dtype not in supported:
             raise ValueError(f"{where}: the student lm_head weight is {lm.weight.dtype}; the kernels support "
                              "float32, bfloat16, float16")
         w_t, b_t = _teacher_weights(head, where)
@@ -723,7 +756,10 @@ def make_jsd_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], sit
             b = b.to(dt) if b is not None else None
             b_t = b_t.to(dt) if b_t is not None else None
         h_t = h_t.to(hidden.device)
-        loss = kernels(w.dtype).linear_jsd(hidden, w, b, h_t, w_t, b_t, targets, num_items, t)
+        if kernels is None:
+            loss = reference_jsd(hidden, w, b, h_t, w_t, b_t, targets, num_items, t, beta, ignore)
+        else:
+            loss = kernels(w.dtype).linear_jsd(hidden, w, b, h_t, w_t, b_t, targets, num_items, t)
         rest = {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None))
                 for f in shape.output_fields}
         out = shape.output_cls(loss=loss, logits=None, **rest)
