@@ -162,6 +162,19 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
 
 
 # --------------------------------------------------------------------------- distillation
+def jsd_patch_info(model: Any) -> dict | None:
+    """The flags (beta, temperature, ignore_index) of the ``fused_linear_jsd`` forward ``model`` runs,
+    looking through ``.module`` wrappers (DDP, DeepSpeed's engine); None when it is not patched."""
+    for _ in range(4):
+        info = getattr(getattr(model, "forward", None), "_patchdsl_jsd", None)
+        if isinstance(info, dict):
+            return info
+        if not hasattr(model, "module"):
+            return None
+        model = model.module
+    return None
+
+
 def distill_loss(student: Any, teacher: Any, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temperature: float | None = None,
                  num_items_in_batch: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -177,11 +190,12 @@ def distill_loss(student: Any, teacher: Any, input_ids: torch.Tensor, labels: to
     teacher_logits[:, :-1], labels[:, 1:], beta, temperature)`` (reduction ``batchmean``).
     Gradients reach the student only.  Extra keyword arguments go to both models.
     """
-    fwd = getattr(student, "forward", None)
-    if not getattr(fwd, "_patchdsl_jsd", False):
+    if not jsd_patch_info(student):
         raise ValueError("distill_loss: the student is not patched with fused_linear_jsd; apply a spec with "
                          "'lm_head: Linear -> fused_linear_jsd(beta=..., temperature=...)' first "
                          "(patchdsl.apply(spec, student))")
+    while not hasattr(teacher, "lm_head") and isinstance(getattr(teacher, "module", None), torch.nn.Module):
+        teacher = teacher.module                          # DDP / DeepSpeed engine: the model inside
     for name in ("model", "lm_head"):
         if not hasattr(teacher, name):
             raise ValueError(f"distill_loss: the teacher ({type(teacher).__name__}) has no .{name}; pass a causal LM "
@@ -216,8 +230,8 @@ class FusedGKDLoss:
     """
 
     def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None):
-        info = getattr(getattr(model, "forward", None), "_patchdsl_jsd", None)
-        if isinstance(info, dict):
+        info = jsd_patch_info(model)
+        if info:
             want = float(getattr(self, "beta", info["beta"]))
             if info["beta"] != want or info["temperature"] != 1.0:
                 raise ValueError(f"FusedGKDLoss: the student is patched with fused_linear_jsd(beta={info['beta']}, "

@@ -105,6 +105,17 @@ def test_wrong_teachers_fail_with_located_errors():
     with pytest.raises(ValueError, match="not patched with fused_linear_jsd"):
         distill_loss(tiny_model("qwen3"), narrow, ids, labels)
 
+    class Wrapper(torch.nn.Module):          # DDP-like: the patched model is .module
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+        def forward(self, **kw):
+            return self.module(**kw)
+
+    direct = distill_loss(student, narrow, ids, labels)
+    assert torch.equal(distill_loss(Wrapper(student), Wrapper(narrow), ids, labels), direct)
+
 
 @cpu_only
 @pytest.mark.parametrize("beta", [0.5, 0.0])
