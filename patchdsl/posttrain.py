@@ -1,4 +1,5 @@
-"""Preference and RL losses on per-token log-probabilities from ``fused_linear_logprobs``.
+"""Preference and RL losses on per-token log-probabilities from ``fused_linear_logprobs``, and the
+distillation loss of ``fused_linear_jsd`` (:func:`distill_loss`).
 
 A causal LM patched with ``lm_head: Linear -> fused_linear_logprobs`` answers
 ``model(input_ids=..., attention_mask=..., labels=labels, fused_lm_head=True)`` with per-token
@@ -158,3 +159,86 @@ def grpo_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, completio
     if torch.is_tensor(denom):
         denom = denom.clamp(min=1.0)
     return masked.sum() / denom
+
+
+# --------------------------------------------------------------------------- distillation
+def jsd_patch_info(model: Any) -> dict | None:
+    """The flags (beta, temperature, ignore_index) of the ``fused_linear_jsd`` forward ``model`` runs,
+    looking through ``.module`` wrappers (DDP, DeepSpeed's engine); None when it is not patched."""
+    for _ in range(4):
+        info = getattr(getattr(model, "forward", None), "_patchdsl_jsd", None)
+        if isinstance(info, dict):
+            return info
+        if not hasattr(model, "module"):
+            return None
+        model = model.module
+    return None
+
+
+def distill_loss(student: Any, teacher: Any, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, temperature: float | None = None,
+                 num_items_in_batch: Any = None, **kwargs: Any) -> torch.Tensor:
+    """The distillation loss of ``student`` (patched with ``lm_head: Linear -> fused_linear_jsd(...)``)
+    towards ``teacher`` (any causal LM with ``.model`` and ``.lm_head``, unpatched or not) on one batch.
+
+    Runs the teacher's body under ``no_grad`` (its last hidden state, after the final norm), then the
+    student with ``teacher_hidden_states`` / ``teacher_head=teacher.lm_head``: the generalised JSD of
+    the spec's ``beta`` between the two next-token distributions at every position whose next label
+    is not ignored (``labels[:, t + 1] != -100``; every position when ``labels`` is None), divided by
+    ``num_items_in_batch`` (default: the number of such positions).  ``temperature`` overrides the
+    spec's for this call.  Equals TRL's ``GKDTrainer.generalized_jsd_loss(student_logits[:, :-1],
+    teacher_logits[:, :-1], labels[:, 1:], beta, temperature)`` (reduction ``batchmean``).
+    Gradients reach the student only.  Extra keyword arguments go to both models.
+    """
+    if not jsd_patch_info(student):
+        raise ValueError("distill_loss: the student is not patched with fused_linear_jsd; apply a spec with "
+                         "'lm_head: Linear -> fused_linear_jsd(beta=..., temperature=...)' first "
+                         "(patchdsl.apply(spec, student))")
+    while not hasattr(teacher, "lm_head") and isinstance(getattr(teacher, "module", None), torch.nn.Module):
+        teacher = teacher.module                          # DDP / DeepSpeed engine: the model inside
+    for name in ("model", "lm_head"):
+        if not hasattr(teacher, name):
+            raise ValueError(f"distill_loss: the teacher ({type(teacher).__name__}) has no .{name}; pass a causal LM "
+                             "such as AutoModelForCausalLM")
+    with torch.no_grad():
+        body = teacher.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+        h_t = body.last_hidden_state if hasattr(body, "last_hidden_state") else body[0]
+    extra = dict(kwargs)
+    if temperature is not None:
+        extra["distill_temperature"] = temperature
+    if num_items_in_batch is not None:
+        extra["num_items_in_batch"] = num_items_in_batch
+    out = student(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False,
+                  teacher_hidden_states=h_t, teacher_head=teacher.lm_head, **extra)
+    return out.loss
+
+
+class FusedGKDLoss:
+    """Mixin for TRL's ``GKDTrainer`` (``trl.experimental.gkd``): its ``compute_loss`` through
+    :func:`distill_loss`, so neither model's logits are materialised::
+
+        class Trainer(FusedGKDLoss, GKDTrainer): ...
+        trainer = Trainer(model=student, teacher_model=teacher, args=GKDConfig(beta=0.5, ...), ...)
+        patchdsl.apply("lm_head: Linear -> fused_linear_jsd(beta=0.5)", trainer.model)   # the spec's beta = args.beta
+
+    TRL's own ``compute_loss`` pairs ``logits[:, :-1]`` with ``labels[:, 1:]``, calls
+    ``generalized_jsd_loss(..., beta=self.beta, num_items_in_batch=...)`` at temperature 1 (GKDConfig's
+    temperature is for sampling) and returns the student's outputs with ``return_outputs``; this
+    gives the same loss (tests/test_distill.py) and, with ``return_outputs``, the student's output
+    without logits.  The patched student's beta must equal ``self.beta`` and its temperature 1
+    (checked: a ValueError says which differs).
+    """
+
+    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None):
+        info = jsd_patch_info(model)
+        if info:
+            want = float(getattr(self, "beta", info["beta"]))
+            if info["beta"] != want or info["temperature"] != 1.0:
+                raise ValueError(f"FusedGKDLoss: the student is patched with fused_linear_jsd(beta={info['beta']}, "
+                                 f"temperature={info['temperature']}) but the trainer's loss uses beta={want}, "
+                                 "temperature=1.0; make the spec's flags match GKDConfig.beta")
+        teacher = self.teacher_model
+        teacher.eval()
+        loss = distill_loss(model, teacher, inputs["input_ids"], inputs.get("labels"), inputs.get("attention_mask"),
+                            num_items_in_batch=num_items_in_batch)
+        return (loss, None) if return_outputs else loss

@@ -95,7 +95,9 @@ def test_opcheck_runs_cover_every_op():
     for build, spec in OPCHECK_RUNS.values():
         covered |= {r.op.name for r in _spec(spec).rules}
     generated = {name for name, op in ops().items() if not op.external}   # hub/liger: third-party kernels
-    assert covered == generated, sorted(generated - covered)
+    # fused_linear_jsd needs a teacher at the call (a plain training call runs the original forward):
+    # its custom op is opcheck'ed in tests/kernels/test_linear_jsd.py
+    assert covered == generated - {"fused_linear_jsd"}, sorted(generated - covered)
 
 
 def _snapshot(x, grad: bool):

@@ -100,6 +100,7 @@ SPECS = {
     "fused_cross_entropy": "lm_head: Linear -> fused_cross_entropy\n",
     "fused_linear_cross_entropy": "lm_head: Linear -> fused_linear_cross_entropy(chunk=16)\n",
     "fused_linear_logprobs": "lm_head: Linear -> fused_linear_logprobs(chunk=16)\n",
+    "fused_linear_jsd": "lm_head: Linear -> fused_linear_jsd(chunk=16)\n",
 }
 
 
@@ -278,6 +279,16 @@ ALL_MUTATIONS = [
              (Edit(r"g \+ g_lp, g\)", "g - g_lp, g)", r"^def logprob_bwd_"),), expect=("grad_input", "grad_weight")),
     Mutation("fused_linear_logprobs", "grad_w_first_chunk_only",
              (Edit(r"^(\s*)if need_w:\n", r"\1if need_w and s == 0:\n", r"^def linear_logprobs_backward\("),),
+             dtype="fp32", expect=("grad_weight",)),
+    # ---- fused_linear_jsd (verify gives a synthetic teacher, Op.parity_kwargs; beta 0.5; 22 shifted
+    #      rows in chunks of 16: two chunks)
+    Mutation("fused_linear_jsd", "student_not_normalised",
+             (Edit(r"lse_s = ms \+ tl\.log\(ss\)", "lse_s = ms", r"^def jsd_rows_"),), expect=("loss",)),
+    Mutation("fused_linear_jsd", "softmax_jacobian_dropped",
+             (Edit(r"\(g - ps \* acc_g\) \* g_scale", "g * g_scale", r"^def jsd_rows_"),),
+             expect=("grad_input", "grad_weight")),
+    Mutation("fused_linear_jsd", "grad_w_first_chunk_only",
+             (Edit(r"^(\s*)if need_w:\n", r"\1if need_w and s == 0:\n", r"^def linear_jsd_forward\("),),
              dtype="fp32", expect=("grad_weight",)),
     # ---- fused_swiglu (intermediate 80: one block of 128, masked tail)
     Mutation("fused_swiglu", "dgate_sign",

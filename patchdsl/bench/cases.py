@@ -886,6 +886,108 @@ class LinearLogprobsFamily(LinearCrossEntropyFamily):
         raise Unavailable("Cut Cross-Entropy has no per-token log-prob op")
 
 
+class LinearJSDFamily(LinearCrossEntropyFamily):
+    """Distillation: generalised JSD (beta 0.5, temperature 1, the op's defaults) between a teacher's
+    next-token distribution (its hidden states and head, hidden size ``teacher_hidden``) and the
+    student's, mean over the non-ignored tokens; gradients to the student's hidden states and head."""
+
+    BETA = 0.5
+
+    def make_act(self, shape, dtype, device, g):
+        n, h, v, ht = shape["tokens"], shape["hidden"], shape["vocab"], shape["teacher_hidden"]
+        dt = torch_dtype(dtype)
+        return {"hidden": _randn(g, (n, h), device, dt).requires_grad_(), "labels": _labels(g, n, v, device),
+                "teacher_hidden": _randn(g, (n, ht), device, dt),
+                "teacher_weight": _randn(g, (v, ht), device, dt, 2.0 / math.sqrt(ht))}
+
+    @classmethod
+    def _jsd64(cls, zs, zt, valid, n_valid):
+        s, t = zs.log_softmax(-1), zt.log_softmax(-1)
+        b = cls.BETA
+        m = torch_logaddexp(s + math.log1p(-b), t + math.log(b))
+        jsd = b * (t.exp() * (t - m)).sum(-1) + (1 - b) * (s.exp() * (s - m)).sum(-1)
+        return (jsd * valid).sum() / n_valid
+
+    def reference(self, params, act, dys):
+        import torch
+
+        h = act["hidden"].detach().double()
+        w = params["weight"].detach().double()
+        ht, wt = act["teacher_hidden"].double(), act["teacher_weight"].double()
+        valid = act["labels"] != IGNORE_INDEX
+        n_valid = valid.sum().double().clamp_min(1)
+        n, v = h.shape[0], w.shape[0]
+        dh = torch.empty_like(h)
+        dw = torch.zeros_like(w)
+        total = torch.zeros((), dtype=torch.float64, device=h.device)
+        step = max(1, _ce_chunk_rows(v) // 2)
+        for i in range(0, n, step):
+            hc = h[i:i + step]
+            with torch.enable_grad():
+                zs = (hc @ w.T).requires_grad_()
+                loss = self._jsd64(zs, ht[i:i + step] @ wt.T, valid[i:i + step], n_valid)
+                (gz,) = torch.autograd.grad(loss, zs)
+            total += loss.detach()
+            dh[i:i + step] = gz @ w
+            dw += gz.T @ hc
+            del gz, zs
+        return (total,), {"hidden": _store(dh), "weight": _store(dw)}
+
+    def nbytes(self, shape, esize):
+        n, h, v, ht = shape["tokens"], shape["hidden"], shape["vocab"], shape["teacher_hidden"]
+        io = (n * h + v * h + n * ht + v * ht) * esize
+        return {"fwd": io + 8 * n, "bwd": io + (n * h + v * h) * esize, "fwd_bwd": io + (n * h + v * h) * esize}
+
+    def nflops(self, shape):
+        n, h, v, ht = shape["tokens"], shape["hidden"], shape["vocab"], shape["teacher_hidden"]
+        return {"fwd": 2.0 * n * v * (h + ht), "bwd": 4.0 * n * h * v, "fwd_bwd": 2.0 * n * v * (3 * h + ht)}
+
+    def patchdsl_values(self, params, act):
+        v = dict(params)
+        v.update(act)
+        v["bias"] = None
+        v["teacher_bias"] = None
+        return v
+
+    def hf(self, params, shape):
+        import torch
+
+        lm_head = torch.nn.Linear(shape["hidden"], shape["vocab"], bias=False, device="meta")
+        lm_head.weight = params["weight"]
+        beta = self.BETA
+
+        def hf_linear_jsd(hidden, teacher_hidden, teacher_weight, labels):
+            # TRL GKDTrainer.generalized_jsd_loss on materialised logits (fp32 softmax math)
+            s = lm_head(hidden).float().log_softmax(-1)
+            with torch.no_grad():
+                t = (teacher_hidden @ teacher_weight.T).float().log_softmax(-1)
+            m = torch.logsumexp(torch.stack([s + math.log1p(-beta), t + math.log(beta)]), dim=0)
+            jsd = beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+            mask = labels != IGNORE_INDEX
+            return jsd[mask].sum() / mask.sum().clamp_min(1)
+
+        return hf_linear_jsd
+
+    def liger(self, params, shape):
+        cls = _liger("liger_kernel.transformers.fused_linear_jsd", "LigerFusedLinearJSD")
+        m = cls(jsd_beta=self.BETA, ignore_index=IGNORE_INDEX, temperature=1.0)
+        w = params["weight"]
+
+        def liger_linear_jsd(hidden, teacher_hidden, teacher_weight, labels):
+            return m(hidden, w, teacher_hidden, teacher_weight, labels)
+
+        return liger_linear_jsd
+
+    def cce(self, params, shape):
+        raise Unavailable("Cut Cross-Entropy has no distillation loss")
+
+
+def torch_logaddexp(a, b):
+    import torch
+
+    return torch.logaddexp(a, b)
+
+
 def _f32():
     import torch
 
@@ -982,5 +1084,21 @@ def families() -> dict[str, Family]:
             issue=[{"tokens": 4096, "hidden": 1024, "vocab": 151936, "label": "4096x1024x151936 (qwen3-0.6b)"}],
             sweep=[{"tokens": 16384, "hidden": 1024, "vocab": 151936}, {"tokens": 8192, "hidden": 4096, "vocab": 128256}],
             tiny=[{"tokens": 6, "hidden": 32, "vocab": 300}], peers=("hf", "compile")),
+        LinearJSDFamily(
+            "linear_jsd", "fused_linear_jsd", "distillation: two lm_heads + generalised JSD (beta 0.5)",
+            ("hidden", "teacher_hidden", "teacher_weight", "labels"), ("hidden",), ("weight",), ("loss",),
+            ("linear_jsd",),
+            {"hidden": ("hidden", "hs", "student_input", "h", "x"),
+             "weight": ("weight", "ws", "student_weight", "w", "W"), "bias": ("bias", "bs", "b"),
+             "teacher_hidden": ("teacher_hidden", "ht", "teacher_input"),
+             "teacher_weight": ("teacher_weight", "wt", "teacher_w"), "teacher_bias": ("teacher_bias", "bt"),
+             "labels": ("labels", "shift_labels", "targets", "y")},
+            ("hidden", "weight", "teacher_hidden", "teacher_weight", "labels"),
+            issue=[{"tokens": 4096, "hidden": 1024, "teacher_hidden": 2048, "vocab": 151936,
+                    "label": "4096x1024 (teacher 2048)x151936 (qwen3-0.6b from 1.7b)"}],
+            sweep=[{"tokens": 16384, "hidden": 1024, "teacher_hidden": 2048, "vocab": 151936},
+                   {"tokens": 8192, "hidden": 2048, "teacher_hidden": 4096, "vocab": 128256}],
+            tiny=[{"tokens": 6, "hidden": 32, "teacher_hidden": 48, "vocab": 300}],
+            peers=("hf", "compile", "liger")),
     ]
     return {f.name: f for f in fams}

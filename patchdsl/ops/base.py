@@ -232,3 +232,16 @@ class Op:
         import types
 
         return [(host, "forward", types.MethodType(self.make_forward(host, kernels, flags, info), host))]
+
+    # ---- verify (patchdsl.parity): ops whose calls the unpatched model cannot answer ------------
+    def parity_reference(self, host: Any, flags: Mapping[str, Any]) -> list[tuple[Any, str, Any]]:
+        """Assignments (as :meth:`install`'s) that let an *unpatched* copy of the model answer the calls
+        :meth:`parity_kwargs` adds, in plain PyTorch: verify gives them to its float64 reference and its
+        unpatched copy (a distillation loss needs a teacher, which HF's forward does not take).
+        Default: nothing (the unpatched model is the reference as it is)."""
+        return []
+
+    def parity_kwargs(self, host: Any, flags: Mapping[str, Any], batch: int, seq: int, gen: Any) -> dict[str, Any]:
+        """Extra keyword arguments of verify's calls for a site of this op (float tensors in float64,
+        made from ``gen``; verify casts them to each model's dtype and device).  Default: none."""
+        return {}

@@ -20,7 +20,7 @@ import copy
 from typing import Any, Callable
 
 from .compare import Errors, Tolerance, errors, judge, tolerance_for
-from .hooks import Capture, run_site
+from .hooks import Capture, cast_to, run_site
 from .reference import float64_mode
 from .report import Check, ParityReport
 
@@ -198,19 +198,25 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int 
         gen = torch.Generator().manual_seed(seed)
         vocab = _vocab(patched)
         b0 = _batch(gen, vocab, batch, seq, device)
+        extra = _op_inputs(live, ref, hf, patched, batch, seq, seed)   # e.g. a teacher for a distillation loss
+        if extra:
+            say(f"the patched ops take {', '.join(sorted(extra))}: the unpatched copies answer those calls "
+                "in plain PyTorch")
+        batches = {id(m): {**b0, **cast_to(extra, mdt, device)}
+                   for m, mdt in ((ref, torch.float64), (hf, dt), (patched, dt))}
 
         # ---- whole-model runs; the float64 one also records every site's inputs -------------
         lm_hosts = {s.host: _is_causal_lm(p, s.host) for s in live}
         cap = Capture(ref, lm_hosts)
         try:
             say("float64 reference: forward + backward")
-            r_loss, r_logits, r_grads = _forward_backward(ref, b0)
+            r_loss, r_logits, r_grads = _forward_backward(ref, batches[id(ref)])
         finally:
             cap.remove()
         say(f"unpatched {dtype}: forward + backward")
-        h_loss, h_logits, h_grads = _forward_backward(hf, b0)
+        h_loss, h_logits, h_grads = _forward_backward(hf, batches[id(hf)])
         say(f"patched {dtype}: forward + backward")
-        p_loss, p_logits, p_grads = _forward_backward(patched, b0)
+        p_loss, p_logits, p_grads = _forward_backward(patched, batches[id(patched)])
 
         # ---- per site, each on the reference's inputs ---------------------------------------
         for i, s in enumerate(live):
@@ -270,7 +276,7 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int 
 
         # ---- training steps ----------------------------------------------------------------
         if steps:
-            _steps(report, (ref, hf, patched), gen, vocab, batch, seq, steps, lr, device, tol, say)
+            _steps(report, (ref, hf, patched), gen, vocab, batch, seq, steps, lr, device, tol, say, extra)
     finally:
         handle.undo()
     return report
@@ -299,7 +305,35 @@ def _aggregate(r_grads, h_grads, p_grads, tol) -> Check:
                  rp <= bound, "each parameter judged separately")
 
 
-def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, device, tol, say) -> None:
+def _op_inputs(live: list, ref: Any, hf: Any, patched: Any, batch: int, seq: int, seed: int) -> dict[str, Any]:
+    """What ops whose calls an unpatched model cannot answer need (``Op.parity_kwargs``: a distillation
+    loss's teacher), and the plain-PyTorch forwards (``Op.parity_reference``) that let the float64
+    reference and the unpatched copy answer them, installed on those two copies (verify's own)."""
+    import torch
+
+    from ..ops.registry import get_op
+
+    extra: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(seed * 7 + 12345)      # its own stream: b0 stays as without it
+    for s in live:
+        op = get_op(s.op)
+        if op is None:
+            continue
+        flags = s.flag_dict
+        host = patched.get_submodule(s.host) if s.host else patched
+        kw = op.parity_kwargs(host, flags, batch, seq, gen)
+        if not kw:
+            continue
+        extra.update(kw)
+        for m in (ref, hf):
+            h = m.get_submodule(s.host) if s.host else m
+            for obj, attr, value in op.parity_reference(h, flags):
+                setattr(obj, attr, value)
+    return extra
+
+
+def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, device, tol, say,
+           extra: dict[str, Any] | None = None) -> None:
     """N AdamW steps on each model.  16-bit models keep fp32 master weights (the usual mixed-precision
     recipe: AdamW's state and eps do not fit fp16); the float64 reference steps its own weights."""
     import torch
@@ -321,8 +355,10 @@ def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, devi
         for k, m in enumerate(models):
             for q in params[k]:
                 q.grad = None
+            p0 = next(m.parameters(), None)
+            kw = cast_to(extra, p0.dtype, device) if extra and p0 is not None else {}
             with _ctx(m):
-                out = m(**b)
+                out = m(**b, **kw)
             out.loss.backward()
             if masters[k] is not params[k]:
                 for q, mq in zip(params[k], masters[k]):

@@ -162,7 +162,8 @@ def launch_spec(fn, args, kwargs):
 def flag_variants(op) -> list[dict]:
     """Flag settings besides the defaults that select other compiled-in modes, one change at a
     time: every other choice of a choice flag, the other value of a bool flag, a non-zero value of
-    a float flag that defaults to 0 (label smoothing, z-loss), and a small ``block`` (forces the
+    a float flag that defaults to 0 (label smoothing, z-loss), both ends of a float flag on [0, 1]
+    that defaults to neither (the JSD's beta), and a small ``block`` (forces the
     looped variants of kernels whose rows fit one block at real sizes)."""
     out = []
     for f in op.flags:
@@ -172,6 +173,8 @@ def flag_variants(op) -> list[dict]:
             out.append({f.name: not f.default})
         elif f.type == "float" and f.default == 0.0:
             out.append({f.name: 0.1})
+        elif f.type == "float" and f.min == 0.0 and f.max == 1.0 and f.default not in (0.0, 1.0):
+            out += [{f.name: 0.0}, {f.name: 1.0}]      # the ends select other compiled-in modes (JSD's beta)
         elif f.type == "int" and f.name == "block":
             out.append({f.name: 256})
     return out
@@ -292,7 +295,10 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
                             setattr(obj, attr, value)
                         sites.append(path)
                     if sites:
-                        res = model(inputs_embeds=embeds, labels=ids)
+                        extra = {}
+                        if op.name == "fused_linear_jsd":      # a distillation call: self-distillation, any teacher
+                            extra = {"teacher_hidden_states": embeds.detach(), "teacher_head": model.lm_head}
+                        res = model(inputs_embeds=embeds, labels=ids, **extra)
                         loss = res.loss if res.loss is not None else res.logits.float().sum()
                         loss.float().sum().backward()
                         model.zero_grad(set_to_none=True)
