@@ -121,6 +121,16 @@ def test_batch_signature_and_its_differences_in_words():
     assert describe_signature_change(batch_signature(dict(a, k=1)), batch_signature(dict(a, k=2))) == "k: 1 -> 2"
 
 
+def test_sync_ops_are_named_in_words():
+    from patchdsl.runtime.graphs import _op_words
+
+    assert _op_words(str(torch.ops.aten._local_scalar_dense.default)) == (
+        "aten._local_scalar_dense.default (Tensor.item(), or a CUDA tensor used as a Python number or bool "
+        "(float(t), int(t), `if t:`, `if t.any():`))")
+    assert "boolean-mask indexing" in _op_words(str(torch.ops.aten.nonzero.default))
+    assert _op_words("patchdsl.some_op.default") == "patchdsl.some_op.default"
+
+
 @pytest.mark.parametrize("rows,micro,want", [
     (4, None, [(0, 4)]), (4, 4, [(0, 4)]), (4, 8, [(0, 4)]), (4, 2, [(0, 2), (2, 4)]),
     (5, 2, [(0, 2), (2, 4), (4, 5)]), (1, 1, [(0, 1)]),
@@ -406,3 +416,17 @@ def test_gpu_patch_for_training_gives_a_graph_step():
     assert torch.isfinite(step(_batches(1)[0])) and step.patched_sites > 0 and handle.patched
     step.close()
     handle.undo()
+
+
+# ----------------------------------------------------------------------------- the e2e bench variant (CPU)
+def test_e2e_has_a_graphs_variant_with_a_spec_and_it_needs_cuda():
+    from patchdsl.bench import e2e
+
+    o = e2e.E2EOptions(device="cpu", batches=(1, 4), seq=8, variants=("patchdsl", "patchdsl+graphs", "liger"))
+    rows = e2e.plan_rows(o)
+    g = [r for r in rows if r.variant == "patchdsl+graphs"]
+    assert [r.name for r in g] == ["patchdsl+graphs @1x8", "patchdsl+graphs @4x8"]
+    assert all(r.spec and r.spec.endswith("qwen3.kpatch") for r in g)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="patchdsl\\+graphs needs --device cuda"):
+            e2e.train(Tiny(), [{"input_ids": torch.zeros(1, 8, dtype=torch.long)}], o, 1, graphed=True)

@@ -226,7 +226,9 @@ def _user_frame(tb: Any) -> str | None:
 
 
 def _op_words(op: str) -> str:
-    base = op.split("::")[-1].split(".")[0].removeprefix("aten.")
+    """``aten._local_scalar_dense.default`` -> the op with what it usually is in Python code."""
+    parts = op.replace("::", ".").split(".")
+    base = parts[1] if len(parts) >= 2 and parts[0] == "aten" else ""
     hint = _SYNC_OPS.get(base)
     return f"{op} ({hint})" if hint else op
 
