@@ -430,3 +430,261 @@ def test_e2e_has_a_graphs_variant_with_a_spec_and_it_needs_cuda():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="patchdsl\\+graphs needs --device cuda"):
             e2e.train(Tiny(), [{"input_ids": torch.zeros(1, 8, dtype=torch.long)}], o, 1, graphed=True)
+
+
+# ----------------------------------------------------------------------------- CPU: the whole flow, with a stand-in graph
+# Everything of graph_step except the capture runs for real on the CPU: warm-up, the sync check (with
+# torch.cuda's sync-debug switch replaced by a flag that an op below obeys), restoring the state, the
+# per-call checks, re-attaching gradients, the shape policies.  The stand-in for the capture runs the
+# step once for its outputs and undoes it (a capture executes nothing); its replay runs the step
+# again and writes the results into the captured buffers (a replay overwrites them).
+_SYNC_MODE = {"v": 0}
+
+
+@torch.library.custom_op("patchdsl_test_graphs::hostsync", mutates_args=())
+def _hostsync(x: torch.Tensor) -> torch.Tensor:
+    if _SYNC_MODE["v"] == "error":
+        raise RuntimeError("called a synchronizing CUDA operation")
+    return x.clone()
+
+
+class _StandInGraph:
+    def __init__(self, step, static, loss, gn, grads):
+        self.step, self.static, self.loss, self.gn, self.grads = step, static, loss, gn, grads
+        self.replays = 0
+
+    def replay(self):
+        st = self.step
+        for p in st._params:
+            p.grad = None
+        loss, gn = st._run(self.static)
+        self.loss.copy_(loss)
+        if gn is not None:
+            self.gn.copy_(gn)
+        for p, g in zip(st._params, self.grads):
+            if g is not None:
+                g.copy_(p.grad)
+        self.replays += 1
+
+
+def _stand_in_record(self, static):
+    snap = self._snapshot()
+    self._set_grads_none()
+    loss, gn = self._run(static)
+    loss = loss.clone()
+    gn = gn.clone() if gn is not None else None
+    grads = [p.grad for p in self._params]
+    self._restore(snap)
+    return _StandInGraph(self, static, loss, gn, grads), loss, gn
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    from contextlib import nullcontext
+
+    from patchdsl.runtime import graphs
+
+    class Stream:                  # a class (transformers annotates with `torch.cuda.Stream | None`)
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    def set_mode(m):
+        _SYNC_MODE["v"] = m
+
+    for name, fn in dict(current_stream=lambda *a: Stream(), Stream=Stream, stream=lambda s: nullcontext(),
+                         synchronize=lambda *a: None, get_rng_state=lambda *a: torch.get_rng_state(),
+                         set_rng_state=lambda s, *a: torch.set_rng_state(s),
+                         get_sync_debug_mode=lambda: _SYNC_MODE["v"], set_sync_debug_mode=set_mode).items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(graphs, "_cuda_device", lambda model: torch.device("cpu"))
+    real_check = graphs._check_optimizer
+    # AdamW's capturable step refuses CPU tensors: the CPU stand-in steps a plain AdamW
+    monkeypatch.setattr(graphs, "_check_optimizer", lambda opt, step: real_check(opt, False))
+    monkeypatch.setattr(graphs.GraphedStep, "_record", _stand_in_record)
+    _SYNC_MODE["v"] = 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # tiny tensors: two intra-op threads on a busy 2-core machine cost 100x
+    yield
+    torch.set_num_threads(threads)
+    _SYNC_MODE["v"] = 0
+
+
+class TinyLM(torch.nn.Module):
+    """A causal-LM stand-in with an HF-style output (``.loss``): fast on a busy CPU (the tiny Qwen3 is
+    what the GPU tests graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(320, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 320)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        from types import SimpleNamespace
+
+        h = self.norm(self.emb(input_ids)) * self.scale
+        logits = self.head(torch.nn.functional.dropout(h, 0.0, self.training))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def _cpu_lm(seed=0):
+    torch.manual_seed(seed)
+    return TinyLM().train()
+
+
+def _cpu_batches(n, rows=4, seq=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": (ids := torch.randint(0, 320, (rows, seq), generator=g)), "labels": ids.clone()}
+            for _ in range(n)]
+
+
+def _cpu_opt(m, cls=torch.optim.AdamW, **kw):
+    kw.setdefault("lr", 1e-2)
+    return cls(m.parameters(), **kw)
+
+
+def _graphed(m, opt, batch, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnpatchedModelWarning)
+        return graph_step(m, opt, batch, **kw)
+
+
+@pytest.mark.parametrize("micro,clip", [(None, None), (2, 0.5), (3, None)])
+def test_stand_in_losses_and_weights_equal_eager_and_the_warm_up_is_undone(stand_in, micro, clip):
+    batches = _cpu_batches(4)
+    ref, m = _cpu_lm(), _cpu_lm()
+    ropt, opt = _cpu_opt(ref), _cpu_opt(m)
+    want = [_eager_step_cpu(ref, ropt, b, micro, clip) for b in batches]
+    step = _graphed(m, opt, batches[0], micro_batch=micro, clip_grad_norm=clip, warmup=2)
+    assert step.captures == 1 and step.patched_sites == 0
+    assert all(torch.count_nonzero(s["step"]) == 0 for s in opt.state.values())    # AdamW state back to zeros
+    got = [step(b) for b in batches]
+    torch.testing.assert_close(torch.stack(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    for p, q in zip(ref.parameters(), m.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    graph = next(iter(step._graphs.values()))
+    assert graph.graph.replays == 4
+    assert all(p.grad is g for p, g in zip(m.parameters(), graph.grads))           # the graph's buffers
+    assert (step.grad_norm is not None) == (clip is not None)
+
+
+def _eager_step_cpu(model, opt, batch, micro=None, clip=None):
+    rows = batch["input_ids"].shape[0]
+    total = None
+    for a, b in micro_slices(rows, micro):
+        loss = model(**{k: v[a:b] for k, v in batch.items()}).loss
+        if (a, b) != (0, rows):
+            loss = loss * ((b - a) / rows)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip, foreach=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(total)
+
+
+def test_stand_in_a_sync_is_named_by_op_and_line_and_the_model_is_left_as_it_was(stand_in):
+    m = _cpu_lm()
+    opt = _cpu_opt(m)
+    before = [p.detach().clone() for p in m.parameters()]
+
+    def loss_fn(model, batch):
+        loss = model(**batch).loss
+        return loss + 0 * _hostsync(loss.detach())
+
+    with pytest.raises(GraphStepError) as ei:
+        _graphed(m, opt, dict(_cpu_batches(1)[0], attention_mask=torch.ones(4, 8, dtype=torch.long)), loss_fn=loss_fn)
+    msg = str(ei.value)
+    assert "synchronises with the host" in msg and "patchdsl_test_graphs.hostsync.default" in msg
+    assert "test_graphs.py" in msg and "in _hostsync" in msg
+    assert "The batch has an attention_mask" in msg
+    assert _SYNC_MODE["v"] == 0                                       # the debug mode is put back
+    for p, q in zip(m.parameters(), before):
+        assert torch.equal(p, q)
+    assert not opt.state or all(torch.count_nonzero(s["step"]) == 0 for s in opt.state.values())
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_stand_in_shape_policies(stand_in):
+    a, b, c = _cpu_batches(1)[0], _cpu_batches(1, rows=2, seed=2)[0], _cpu_batches(1, seed=3)[0]
+    ref = _cpu_lm()
+    ropt = _cpu_opt(ref)
+    want = [_eager_step_cpu(ref, ropt, x) for x in (a, b, c)]
+    m = _cpu_lm()
+    step = _graphed(m, _cpu_opt(m), a)
+    with pytest.raises(GraphStepError, match=r"input_ids: shape \[4, 8\] -> \[2, 8\]; labels: shape \[4, 8\] -> "
+                                             r"\[2, 8\]\); a CUDA graph replays fixed shapes.*on_shape_change"):
+        step(b)
+    for policy in ("recapture", "eager"):
+        m = _cpu_lm()
+        step = _graphed(m, _cpu_opt(m), a, on_shape_change=policy, max_graphs=1)
+        got = [float(step(x)) for x in (a, b, c)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6, msg=policy)
+        for p, q in zip(ref.parameters(), m.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        if policy == "recapture":      # max_graphs=1: a, then b replaces it, then a again
+            assert step.captures == 3 and step.signatures == [batch_signature(c)]
+        else:
+            assert step.captures == 1 and step.eager_calls == 1
+
+
+def test_stand_in_misuse_is_refused(stand_in):
+    m = _cpu_lm()
+    opt = _cpu_opt(m)
+    batch = _cpu_batches(1)[0]
+    step = _graphed(m, opt, batch)
+    with pytest.raises(GraphStepError, match=r"optimizer.step\(\) is part of the graphed step"):
+        opt.step()
+    opt.param_groups[0]["lr"] = 1e-3
+    with pytest.raises(GraphStepError, match="lr changed from 0.01 to 0.001"):
+        step(batch)
+    opt.param_groups[0]["lr"] = 1e-2
+    m.eval()
+    with pytest.raises(GraphStepError, match="captured in train mode and is now in eval mode"):
+        step(batch)
+    m.train()
+    step(batch)
+    opt.zero_grad(set_to_none=True)           # harmless: the next call re-attaches the graph's gradients
+    step(batch)
+    assert all(p.grad is not None for p in m.parameters())
+    m.norm.weight.data = m.norm.weight.data.clone()
+    with pytest.raises(GraphStepError, match="a parameter of the model was replaced or moved"):
+        step(batch)
+    step.close()
+    with pytest.raises(GraphStepError, match="closed"):
+        step(batch)
+
+
+def test_stand_in_forward_backward_only_refuses_accumulation_over_calls(stand_in):
+    batches = _cpu_batches(3)
+    ref, m = _cpu_lm(), _cpu_lm()
+    ropt, opt = _cpu_opt(ref), _cpu_opt(m)
+    step = _graphed(m, opt, batches[0], optimizer_step=False)
+    for b in batches:
+        want = _eager_step_cpu(ref, ropt, b)
+        assert float(step(b)) == pytest.approx(want, rel=1e-5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for p, q in zip(ref.parameters(), m.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    step(batches[0])
+    with pytest.raises(GraphStepError, match="not used by an optimizer step.*micro_batch=N"):
+        step(batches[1])
+
+
+def test_stand_in_an_optimizer_with_unknown_initial_state_is_refused_before_the_warm_up(stand_in):
+    m = _cpu_lm()
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = _cpu_opt(m, torch.optim.NAdam)
+    with pytest.raises(GraphStepError, match="only knows the initial state of Adam and AdamW.*preserve_state=False"):
+        _graphed(m, opt, _cpu_batches(1)[0])
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before)) and not opt.state
+    step = _graphed(m, opt, _cpu_batches(1)[0], preserve_state=False)      # allowed: the warm-up trains
+    assert not all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    step.close()

@@ -201,7 +201,10 @@ def _check_optimizer(optimizer: Any, optimizer_step: bool) -> None:
 
 
 def _check_model(model: Any) -> None:
-    if getattr(model, "is_gradient_checkpointing", False):
+    # transformers 5.x: is_gradient_checkpointing (deprecated in later 5.x for is_activation_checkpointing)
+    names = ("is_activation_checkpointing", "is_gradient_checkpointing")
+    name = next((n for n in names if n in getattr(model, "__dict__", {}) or hasattr(type(model), n)), None)
+    if name is not None and getattr(model, name, False):
         raise GraphStepError("gradient checkpointing is on: it re-runs each layer's forward inside the backward and "
                              "saves and restores the CUDA RNG state on the host for every layer, which patchdsl does "
                              "not capture. Turn it off (model.gradient_checkpointing_disable()); a graphed step keeps "
@@ -290,14 +293,15 @@ class GraphedStep:
         self.captures = 0                  # how many graphs were captured (recaptures included)
         self.eager_calls = 0               # calls run eagerly (on_shape_change="eager")
         self.patched_sites = _patched_sites(model)
+        self._signature = batch_signature(example_batch)
+        self._closed = False
+        self._capture(self._signature, example_batch)
+        # after the capture: a refused capture leaves no hook on the optimizer
         if optimizer is not None:
             if optimizer_step:
                 self._hooks.append(optimizer.register_step_pre_hook(self._outside_step_hook))
             else:
                 self._hooks.append(optimizer.register_step_post_hook(self._stepped_hook))
-        self._signature = batch_signature(example_batch)
-        self._closed = False
-        self._capture(self._signature, example_batch)
 
     # -- hooks --------------------------------------------------------------------------------------
     def _outside_step_hook(self, opt, args, kwargs):
@@ -383,12 +387,8 @@ class GraphedStep:
         if snap is not None:
             self._restore(snap)
         self._set_grads_none()
-        g = torch.cuda.CUDAGraph()
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*capturable=True.*")
-                with torch.cuda.graph(g):
-                    loss, gn = self._run(static)
+            g, loss, gn = self._record(static)
         except GraphStepError:
             raise
         except Exception as e:
@@ -404,6 +404,17 @@ class GraphedStep:
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return cap
+
+    def _record(self, static: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """The capture itself (nothing runs on the GPU here): (graph, static loss, static grad norm).
+        The one place that talks to ``torch.cuda.graph``; the CPU tests replace it with a stand-in."""
+        torch = _torch()
+        g = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*capturable=True.*")
+            with torch.cuda.graph(g):
+                loss, gn = self._run(static)
+        return g, loss, gn
 
     def _checked_run(self, static: dict[str, Any]) -> None:
         """The last warm-up iteration, with host synchronisations turned into errors; a sync is
