@@ -567,6 +567,21 @@ class GraphedStep:
         """The total gradient norm (before clipping) of the last call, with ``clip_grad_norm`` set; else None."""
         return None if self._grad_norm is None else self._grad_norm.clone()
 
+    def memory(self) -> dict[str, int]:
+        """Bytes of the graphs' private memory pools (``torch.cuda.memory_snapshot``):
+        ``pool_reserved_bytes`` (all their segments) and ``pool_free_bytes`` (blocks the caching
+        allocator counts as free, which every replay writes: the activations).  Between replays
+        ``torch.cuda.memory_allocated`` does not count the latter, so a graphed step's real peak is
+        about ``max_memory_allocated() + pool_free_bytes``."""
+        torch = _torch()
+        ids = {tuple(c.graph.pool()) for c in self._graphs.values()}
+        reserved = free = 0
+        for seg in torch.cuda.memory_snapshot():
+            if tuple(seg.get("segment_pool_id", ())) in ids:
+                reserved += int(seg["total_size"])
+                free += sum(int(b["size"]) for b in seg.get("blocks", []) if b.get("state") != "active_allocated")
+        return {"pool_reserved_bytes": reserved, "pool_free_bytes": free}
+
     @property
     def signatures(self) -> list[tuple]:
         """The batch signatures with a captured graph, least recently used first."""
