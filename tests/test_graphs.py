@@ -264,6 +264,8 @@ def test_gpu_graphed_losses_and_weights_equal_eager(dtype, micro, clip):
     if clip is not None:
         assert step.grad_norm is not None and torch.isfinite(step.grad_norm)
     assert all(p.grad is not None for p in graphed.parameters() if p.requires_grad)
+    mem = step.memory()
+    assert mem["pool_reserved_bytes"] > 0 and 0 <= mem["pool_free_bytes"] <= mem["pool_reserved_bytes"]
     step.close()
 
 
@@ -321,6 +323,18 @@ def test_gpu_a_host_sync_inside_the_step_is_refused_with_the_op_and_the_line():
     for p, q in zip(m.parameters(), before):              # the warm-up left the model as it was
         assert torch.equal(p, q)
     assert all(p.grad is None for p in m.parameters())
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_an_attention_mask_is_refused_with_the_way_out():
+    """transformers checks a padding mask on the host (outside a capture) to choose SDPA's causal path."""
+    m = _qwen3(torch.float32)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True)
+    batch = dict(_batches(1)[0], attention_mask=torch.ones(4, 16, dtype=torch.long, device="cuda"))
+    with pytest.raises(GraphStepError, match="synchronises with the host.*The batch has an attention_mask.*"
+                                             "check_syncs=False"):
+        graph_step(m, opt, batch)
 
 
 @pytest.mark.gpu

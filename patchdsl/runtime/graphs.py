@@ -394,8 +394,11 @@ class GraphedStep:
         except Exception as e:
             self._set_grads_none()
             hint = _batch_hint(static)
-            raise GraphStepError(f"capturing the step failed: {type(e).__name__}: {str(e).strip()[:600]}. The warm-up "
-                                 f"ran without a host synchronisation, so an operation that CUDA graphs do not allow "
+            why = ("The warm-up ran without a host synchronisation, so an operation that CUDA graphs do not allow "
+                   if self.check_syncs else
+                   "The sync check was off (check_syncs=False): a host synchronisation (.item(), nonzero, a copy to "
+                   "the CPU), or an operation that CUDA graphs do not allow ")
+            raise GraphStepError(f"capturing the step failed: {type(e).__name__}: {str(e).strip()[:600]}. {why}"
                                  f"(a copy from pageable host memory, a new CUDA stream or event, a CPU tensor moved "
                                  f"to the GPU inside the step) is the likely cause{hint}") from e
         cap = _Captured(g, static, loss, gn, [p.grad for p in self._params])
@@ -628,8 +631,9 @@ def _slice(v: Any, a: int, b: int, rows: int) -> Any:
 def _batch_hint(static: Mapping[str, Any]) -> str:
     if "attention_mask" in static:
         return (". The batch has an attention_mask: transformers checks on the host whether it pads anything "
-                "(`mask.all()`); for unpadded batches leave attention_mask out (the causal path needs none), and pad "
-                "to a fixed length with labels -100 otherwise")
+                "(`mask.all()`, skipped while a CUDA stream is capturing, but not in the warm-up that this check "
+                "watches); for unpadded batches leave attention_mask out (the causal path needs none); for batches "
+                "padded to a fixed length, check_syncs=False lets the capture itself refuse a real sync")
     return ""
 
 
