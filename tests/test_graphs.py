@@ -150,8 +150,13 @@ def test_a_changed_float_lr_is_explained_with_the_tensor_lr_fix():
     assert "lr changed from 0.001 to 0.0005" in msg and "lr=torch.tensor(1e-4)" in msg
     opt2 = torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-3), capturable=True)
     b2 = _hyper_snapshot(opt2)
-    opt2.param_groups[0]["lr"].fill_(1e-4)          # a tensor lr is read by the graph: no change recorded
+    opt2.param_groups[0]["lr"].fill_(1e-4)          # a tensor lr updated in place is read by the graph: fine
     assert _hyper_snapshot(opt2) == b2
+    opt2.param_groups[0]["lr"] = torch.tensor(1e-4)   # replaced: the graph still reads the old tensor
+    msg = _hyper_change(b2, _hyper_snapshot(opt2))
+    assert "lr (param group 0) was replaced by another object" in msg and "fill_(value)" in msg
+    opt2.param_groups[0]["lr"] = 1e-4                 # a number where the tensor was
+    assert "was replaced by another object" in _hyper_change(b2, _hyper_snapshot(opt2))
 
 
 # ----------------------------------------------------------------------------- CPU: the configuration layer
@@ -259,8 +264,9 @@ def test_gpu_graphed_losses_and_weights_equal_eager(dtype, micro, clip):
     assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in got)
     torch.testing.assert_close(torch.tensor([float(x) for x in got]), torch.tensor(want), **TOL[dtype])
     assert float(got[0]) != float(got[-1])                       # returned losses are not one shared buffer
+    ptol = TOL[dtype] if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)   # Adam amplifies tiny grads
     for (n, p), q in zip(ref.named_parameters(), graphed.parameters()):
-        torch.testing.assert_close(q.float(), p.float(), **TOL[dtype], msg=n)
+        torch.testing.assert_close(q.float(), p.float(), **ptol, msg=n)
     if clip is not None:
         assert step.grad_norm is not None and torch.isfinite(step.grad_norm)
     assert all(p.grad is not None for p in graphed.parameters() if p.requires_grad)

@@ -38,7 +38,8 @@ How (PyTorch's "whole network capture" recipe, plus checks):
 Refusals (:class:`GraphStepError`, each with the reason and the fix): no CUDA device or a model
 not on one; an optimizer that was not built with ``capturable=True`` (its step would read its step
 count on the host); an optimizer hyperparameter (``lr``...) changed after the capture (a float is
-baked into the graph: use a tensor ``lr``, which LR schedulers update in place); gradient
+baked into the graph: use a tensor ``lr``, which LR schedulers update in place), or a tensor one
+replaced by another object; gradient
 checkpointing; a host synchronisation inside the step; a batch whose shapes, dtypes or keys differ
 from the captured one (``on_shape_change``: ``"error"``, ``"recapture"`` or ``"eager"``); a call
 that would drop the previous call's gradients (``optimizer_step=False`` accumulates nothing
@@ -161,10 +162,26 @@ _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "n
                "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 
 
+class _TensorAt(tuple):
+    """A tensor hyperparameter in a snapshot: the graph reads its memory, so only its address counts."""
+
+    def __repr__(self) -> str:
+        return f"a tensor at 0x{self[0]:x}"
+
+
+def _has_tensor(v: Any) -> bool:
+    return isinstance(v, _TensorAt) or (isinstance(v, tuple) and any(isinstance(x, _TensorAt) for x in v))
+
+
 def _hyper_snapshot(optimizer: Any) -> tuple:
-    """The optimizer's per-group hyperparameters that a captured step bakes in (tensors are read by
-    the graph, so only non-tensor values count)."""
+    """The optimizer's per-group hyperparameters as a captured step sees them: numbers are baked into
+    the graph (any change counts), tensors are read from their memory (a tensor updated in place is
+    fine, one replaced by another object is not)."""
     torch = _torch()
+
+    def norm(x: Any) -> Any:
+        return _TensorAt((x.data_ptr(),)) if isinstance(x, torch.Tensor) else x
+
     out = []
     for g in optimizer.param_groups:
         vals = []
@@ -172,11 +189,7 @@ def _hyper_snapshot(optimizer: Any) -> tuple:
             if k not in g:
                 continue
             v = g[k]
-            if isinstance(v, torch.Tensor):
-                continue
-            if isinstance(v, (tuple, list)):
-                v = tuple(None if isinstance(x, torch.Tensor) else x for x in v)
-            vals.append((k, v))
+            vals.append((k, tuple(norm(x) for x in v) if isinstance(v, (tuple, list)) else norm(v)))
         out.append((len(g["params"]), tuple(vals)))
     return tuple(out)
 
@@ -646,6 +659,10 @@ def _hyper_change(old: tuple, new: tuple) -> str:
                     f"build a new step")
         da, db = dict(a[1]), dict(b[1])
         for k in da.keys() | db.keys():
+            if da.get(k) != db.get(k) and (_has_tensor(da.get(k)) or _has_tensor(db.get(k))):
+                return (f"the optimizer's {k} (param group {i}) was replaced by another object after the capture; the "
+                        f"graph reads the tensor it was captured with. Update a tensor hyperparameter in place "
+                        f"(param_group[{k!r}].fill_(value)), as torch's LR schedulers do for a tensor lr")
             if da.get(k) != db.get(k):
                 fix = (" Give the optimizer a tensor learning rate, e.g. AdamW(params, lr=torch.tensor(1e-4), "
                        "fused=True, capturable=True): the graph reads it, and LR schedulers update it in place"
