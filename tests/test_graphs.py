@@ -54,6 +54,7 @@ BAD_OPTIONS = [
     (dict(optimizer_step="yes"), "optimizer_step must be True or False"),
     (dict(preserve_state=1), "preserve_state must be True or False"),
     (dict(loss_fn=3), "loss_fn must be callable"),
+    (dict(capture_error_mode="strict"), "capture_error_mode must be one of global, thread_local, relaxed"),
 ]
 
 

@@ -56,10 +56,11 @@ import collections
 import os
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 SHAPE_POLICIES = ("error", "recapture", "eager")
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")        # torch.cuda.graph(capture_error_mode=...)
 
 # ops whose CUDA implementation synchronises with the host, in words people search for
 _SYNC_OPS = {
@@ -141,7 +142,10 @@ def micro_slices(rows: int, micro_batch: int | None) -> list[tuple[int, int]]:
 
 
 def _check_options(on_shape_change: str, micro_batch: Any, warmup: Any, clip_grad_norm: Any,
-                   max_graphs: Any) -> None:
+                   max_graphs: Any, capture_error_mode: Any = "global") -> None:
+    if capture_error_mode not in CAPTURE_ERROR_MODES:
+        raise GraphStepError(f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)}, "
+                             f"got {capture_error_mode!r}")
     if on_shape_change not in SHAPE_POLICIES:
         raise GraphStepError(f"on_shape_change must be one of {', '.join(SHAPE_POLICIES)}, got {on_shape_change!r}")
     if micro_batch is not None and (isinstance(micro_batch, bool) or not isinstance(micro_batch, int)
@@ -264,7 +268,6 @@ class _State:
     buffers: list[Any]
     opt: dict[int, dict[str, Any]]
     rng: Any
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class GraphedStep:
@@ -279,8 +282,10 @@ class GraphedStep:
 
     def __init__(self, model: Any, optimizer: Any, example_batch: Mapping[str, Any], *, loss_fn: Callable | None,
                  optimizer_step: bool, micro_batch: int | None, clip_grad_norm: float | None, on_shape_change: str,
-                 max_graphs: int, warmup: int, check_syncs: bool, preserve_state: bool):
+                 max_graphs: int, warmup: int, check_syncs: bool, preserve_state: bool,
+                 capture_error_mode: str = "global"):
         self.model = model
+        self.capture_error_mode = capture_error_mode
         self.optimizer = optimizer
         self.loss_fn = loss_fn or _model_loss
         self.optimizer_step = optimizer_step
@@ -428,7 +433,7 @@ class GraphedStep:
         g = torch.cuda.CUDAGraph()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*capturable=True.*")
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, capture_error_mode=self.capture_error_mode):
                 loss, gn = self._run(static)
         return g, loss, gn
 
@@ -745,7 +750,7 @@ class _SyncSpy:
 def graph_step(model: Any, optimizer: Any, example_batch: Mapping[str, Any], *, loss_fn: Callable | None = None,
                optimizer_step: bool = True, micro_batch: int | None = None, clip_grad_norm: float | None = None,
                on_shape_change: str = "error", max_graphs: int = 2, warmup: int = 3, check_syncs: bool = True,
-               preserve_state: bool = True) -> GraphedStep:
+               preserve_state: bool = True, capture_error_mode: str = "global") -> GraphedStep:
     """Capture one training step of ``model`` as a CUDA graph; returns a :class:`GraphedStep`.
 
     ``step = graph_step(model, optimizer, example_batch)``, then ``loss = step(batch)`` per batch.
@@ -770,10 +775,13 @@ def graph_step(model: Any, optimizer: Any, example_batch: Mapping[str, Any], *, 
     * ``preserve_state``: restore parameters, buffers, optimizer state and the CUDA RNG after the
       warm-up, so the warm-up does not train the model (costs a copy of them in GPU memory while
       capturing).
+    * ``capture_error_mode``: passed to ``torch.cuda.graph``; ``"global"`` (default) fails the
+      capture when another thread makes an unsafe CUDA call meanwhile (e.g. a DataLoader's
+      pin-memory thread); ``"thread_local"`` watches this thread only.
 
     Raises :class:`GraphStepError` with the reason when the step cannot be captured safely.
     """
-    _check_options(on_shape_change, micro_batch, warmup, clip_grad_norm, max_graphs)
+    _check_options(on_shape_change, micro_batch, warmup, clip_grad_norm, max_graphs, capture_error_mode)
     for name, v in (("optimizer_step", optimizer_step), ("check_syncs", check_syncs),
                     ("preserve_state", preserve_state)):
         if not isinstance(v, bool):
@@ -790,4 +798,5 @@ def graph_step(model: Any, optimizer: Any, example_batch: Mapping[str, Any], *, 
                       UnpatchedModelWarning, stacklevel=2)
     return GraphedStep(model, optimizer, example_batch, loss_fn=loss_fn, optimizer_step=optimizer_step,
                        micro_batch=micro_batch, clip_grad_norm=clip_grad_norm, on_shape_change=on_shape_change,
-                       max_graphs=max_graphs, warmup=warmup, check_syncs=check_syncs, preserve_state=preserve_state)
+                       max_graphs=max_graphs, warmup=warmup, check_syncs=check_syncs, preserve_state=preserve_state,
+                       capture_error_mode=capture_error_mode)
