@@ -73,8 +73,9 @@ _SYNC_OPS = {
     "_unique2": "torch.unique (output size depends on the data)",
     "repeat_interleave": "repeat_interleave with tensor repeats (output size depends on the data)",
     "equal": "torch.equal (returns a Python bool)",
-    "_to_copy": "a copy from the GPU to the CPU (.cpu(), .tolist(), .numpy(), .to('cpu'))",
-    "copy_": "a copy from the GPU to the CPU",
+    "_to_copy": "a copy between the CPU and the GPU (.cpu(), .tolist(), .numpy(), a CPU tensor .to('cuda'), "
+                "torch.tensor(..., device='cuda')); a copy from host memory would be replayed from that memory",
+    "copy_": "a copy between the CPU and the GPU (a CPU tensor copied into a CUDA one, or back)",
 }
 
 
