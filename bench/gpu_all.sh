@@ -13,8 +13,9 @@
 #                          it ran out of memory at 16; no OOM retry here)
 # e2e_llama        50  (c) Llama-3.2-1B 8x2048: patchdsl vs liger
 # e2e_gemma        50  (c) Gemma-3-1B 8x2048: patchdsl vs liger
-# e2e_small        40  (d) Qwen3-0.6B 1x2048 and 4x2048: patchdsl vs liger (the host-bound regime), in one
-#                          process (--in-process, Liger last): four worker start-ups would not fit
+# e2e_small        55  (d) Qwen3-0.6B 1x2048 and 4x2048: patchdsl, patchdsl+graphs (the step as one CUDA graph,
+#                          patchdsl.graph_step) and liger (the host-bound regime), in one process (--in-process,
+#                          Liger last): six worker start-ups would not fit
 # verify           65  (e) patchdsl verify specs/qwen3.kpatch, full Qwen3-0.6B, bf16, 4x1024, 2 steps
 # compile_check    20  (f) bench/compile_check.py, when the file exists
 # mixed_verify     15  (f) bench/mixed_verify.py, when the file exists
@@ -23,7 +24,7 @@
 # ops              40  (g) bench ops GeGLU 16384x6912 + RMSNorm 16384x1024 vs torch.compile and Liger, then
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
-# (limits sum to 595; a part never gets more than what is left of TOTAL minus 12 s for the summary)
+# (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
 # By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s): bench ops
 # --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
 # part, patchdsl vs Liger per family); SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
@@ -124,7 +125,7 @@ for part in $PARTS; do
     e2e_qwen3) lim=$(limit e2e_qwen3 170) ;;
     e2e_llama) lim=$(limit e2e_llama 50) ;;
     e2e_gemma) lim=$(limit e2e_gemma 50) ;;
-    e2e_small) lim=$(limit e2e_small 40) ;;
+    e2e_small) lim=$(limit e2e_small 55) ;;
     verify)  lim=$(limit verify 65) ;;
     compile_check) lim=$(limit compile_check 20) ;;
     mixed_verify) lim=$(limit mixed_verify 15) ;;
@@ -176,7 +177,7 @@ for part in $PARTS; do
       ;;
     e2e_small)   # (d) batch 1 and 4: is the step bound by the host? (host ms vs step ms in the table)
       e2e e2e_small "$lim" --model Qwen/Qwen3-0.6B --batch 1,4 --seq 2048 --steps 20 --warmup 3 \
-        --variants "${SMALL_VARIANTS:-patchdsl,liger}" --no-oom-retry ${SMALL_ISOLATION---in-process}
+        --variants "${SMALL_VARIANTS:-patchdsl,patchdsl+graphs,liger}" --no-oom-retry ${SMALL_ISOLATION---in-process}
       ;;
     verify)  # (e) gradient parity of the shipped Qwen3 spec on the full Qwen3-0.6B architecture, bf16
       run_part verify "$lim" sh -c "python3 -m patchdsl.cli verify specs/qwen3.kpatch --model Qwen/Qwen3-0.6B \

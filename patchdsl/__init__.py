@@ -22,12 +22,15 @@ from ._version import __version__
 from .syntax import SpecError, load_spec, parse_spec
 
 __all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply", "unpatch", "verify",
-           "PatchdslArguments", "TrainingArguments", "PatchdslCallback", "patch_for_training"]
+           "PatchdslArguments", "TrainingArguments", "PatchdslCallback", "patch_for_training",
+           "graph_step", "GraphStepError"]
 
 _LAZY = {
     "PatchdslArguments": ("patchdsl.integrations.args", "PatchdslArguments"),
     "PatchdslCallback": ("patchdsl.integrations.trainer", "PatchdslCallback"),
     "patch_for_training": ("patchdsl.integrations.trainer", "patch_for_training"),
+    "graph_step": ("patchdsl.runtime.graphs", "graph_step"),           # CUDA-graph capture of a training step
+    "GraphStepError": ("patchdsl.runtime.graphs", "GraphStepError"),
 }
 
 

@@ -1,7 +1,7 @@
 """``patchdsl bench``: per-op and end-to-end benchmarks (the click command forwards its raw args here).
 
     patchdsl bench ops  [--json F] [--ops rmsnorm,swiglu] [--impls patchdsl,hf,...] [--no-sweep] [--budget S]
-    patchdsl bench e2e  [--model ID] [--spec S]... [--batch 16[,4]] [--variants hf,compile,liger,patchdsl,patchdsl+compile]
+    patchdsl bench e2e  [--model ID] [--spec S]... [--batch 16[,4]] [--variants hf,compile,liger,patchdsl,patchdsl+compile,patchdsl+graphs]
                         [--out DIR] [--name e2e] [--budget S]   # a fresh process per variant
     patchdsl bench summary FILE.json [FILE.json]   # print the tables (and the issue's targets) again
     patchdsl bench plot FILE.json [FILE.json] --png F
@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int, default=None, help="measured steps (default 5; 2 tiny)")
     e.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; 1 tiny)")
     e.add_argument("--variants", default="hf,patchdsl,liger",
-                   help="comma-separated, run in this order: hf,compile,liger,patchdsl,patchdsl+compile")
+                   help="comma-separated, run in this order: hf,compile,liger,patchdsl,patchdsl+compile,"
+                        "patchdsl+graphs (the patched step as one CUDA graph; CUDA only)")
     e.add_argument("--tiny", action="store_true", help="tiny architecture (default on the CPU)")
     e.add_argument("--budget", type=float, default=1e9,
                    help="seconds for the whole run: rows not started by then are skipped, a running one is stopped")

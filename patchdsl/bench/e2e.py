@@ -8,7 +8,14 @@ same batches:
 * ``liger``: ``liger_kernel.transformers.apply_liger_kernel_to_<model_type>(model=...)``;
 * ``patchdsl``: ``patchdsl.apply(plan, model)`` with the spec (rules whose op is not in the
   registry yet are dropped and listed in the result);
-* ``patchdsl+compile``: ``torch.compile`` of the patched model.
+* ``patchdsl+compile``: ``torch.compile`` of the patched model;
+* ``patchdsl+graphs``: the patched model's whole step (forward, backward, AdamW with
+  ``capturable=True``) captured once as a CUDA graph by ``patchdsl.graph_step`` and replayed for
+  every batch (CUDA only).  Its capture (warm-up + capture, the model state restored) is
+  ``capture_s``, outside the timed steps and the warm-up steps; its peak memory is measured after
+  the capture and adds the graph's private pool (``pool_free_bytes``: the activations, which the
+  allocator counts as free between replays); ``capture_peak_bytes`` is the peak while capturing,
+  which holds a copy of the weights and optimizer state.
 
 ``--spec`` may be given several times: the two patchdsl variants then give one row per spec
 (``patchdsl:qwen3``, ``patchdsl:qwen3_addnorm``), so spec variants compare in one run.  Without
@@ -59,8 +66,9 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)
 
-VARIANTS = ("hf", "compile", "liger", "patchdsl", "patchdsl+compile")
-PATCHED = ("patchdsl", "patchdsl+compile")
+VARIANTS = ("hf", "compile", "liger", "patchdsl", "patchdsl+compile", "patchdsl+graphs")
+PATCHED = ("patchdsl", "patchdsl+compile", "patchdsl+graphs")
+GRAPHED = ("patchdsl+graphs",)
 UNPATCHED = ("hf", "compile")          # the loss reference, in this order of preference
 KIND = "patchdsl-bench-e2e"
 
@@ -276,13 +284,36 @@ def _step(model, opt, batch: dict, micro: int):
     return total
 
 
-def train(model, batches: list[dict], o: E2EOptions, micro: int) -> dict[str, Any]:
+def train(model, batches: list[dict], o: E2EOptions, micro: int, graphed: bool = False) -> dict[str, Any]:
+    """Train on ``batches`` (the first ``o.warmup`` are warm-up); ``graphed``: each step is a replay of
+    one CUDA graph captured by ``patchdsl.graph_step`` before the first step."""
     import torch
 
     cuda = timing.is_cuda(o.device)
     batch = batches[0]["input_ids"].shape[0]
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, fused=True if cuda else None)
+    extra: dict[str, Any] = {}
+    if graphed:
+        from ..runtime.graphs import graph_step
+
+        if not cuda:
+            raise ValueError("patchdsl+graphs needs --device cuda (CUDA graphs)")
+        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, fused=True, capturable=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        tc = time.perf_counter()
+        graphed_step = graph_step(model, opt, batches[0], micro_batch=micro if micro < batch else None)
+        torch.cuda.synchronize()
+        extra = {"capture_s": time.perf_counter() - tc, "capture_peak_bytes": int(torch.cuda.max_memory_allocated()),
+                 "graphs": {"captures": graphed_step.captures, "patched_sites": graphed_step.patched_sites}}
+
+        def step(b: dict):
+            return graphed_step(b)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, fused=True if cuda else None)
+
+        def step(b: dict):
+            return _step(model, opt, b, micro)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -295,7 +326,7 @@ def train(model, batches: list[dict], o: E2EOptions, micro: int) -> dict[str, An
             timing.sync(o.device)
             t_meas = time.perf_counter()
         ts = time.perf_counter()
-        losses.append(_step(model, opt, b, micro))
+        losses.append(step(b))
         if i < o.warmup:
             timing.sync(o.device)
             warm_s.append(time.perf_counter() - ts)
@@ -306,20 +337,31 @@ def train(model, batches: list[dict], o: E2EOptions, micro: int) -> dict[str, An
     res: dict[str, Any] = {
         "losses": [float(x) for x in losses], "warmup_step_s": warm_s,
         "step_ms": 1000 * elapsed / max(1, n), "tokens_per_s": n * batch * o.seq / elapsed if elapsed > 0 else 0.0,
-        "micro_batch": micro, "grad_accum": -(-batch // micro), "measured_steps": n, "batch": batch}
+        "micro_batch": micro, "grad_accum": -(-batch // micro), "measured_steps": n, "batch": batch, **extra}
     if cuda:
         res["peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        res["reserved_peak_bytes"] = int(torch.cuda.max_memory_reserved())
+        if graphed:       # the activations live in the graph's pool, which the allocator counts as free
+            try:
+                mem = graphed_step.memory()
+                res.update(mem, peak_allocated_bytes=res["peak_bytes"])
+                res["peak_bytes"] = res["peak_bytes"] + mem["pool_free_bytes"]
+            except Exception as e:  # the snapshot format of another torch: the reserved peak, said so
+                res["peak_bytes"] = res["reserved_peak_bytes"]
+                res["peak_note"] = f"graph pool not measured ({type(e).__name__}: {e}); peak = max reserved"
         # the host's share: one more step issued after a sync, CPU time to issue it vs its GPU time
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         th = time.perf_counter()
         ev0.record()
-        _step(model, opt, batches[-1], micro)
+        step(batches[-1])
         ev1.record()
         res["host_issue_ms"] = 1000 * (time.perf_counter() - th)
         torch.cuda.synchronize()
         res["host_step_wall_ms"] = 1000 * (time.perf_counter() - th)
         res["gpu_step_ms"] = float(ev0.elapsed_time(ev1))
+    if graphed:
+        graphed_step.close()
     del opt
     return res
 
@@ -403,7 +445,7 @@ def run_row(o: E2EOptions, row: Row, micro: int, snapshot: dict | None = None) -
         model, info = _prepare(row.variant, model, o, row.spec)
         rec.update(info)
         batches = make_batches(vocab, o, o.device, row.batch)
-        rec.update(train(model, batches, o, micro))
+        rec.update(train(model, batches, o, micro, graphed=row.variant in GRAPHED))
     except torch.cuda.OutOfMemoryError as e:
         rec.update(status="oom", error=_first_line(e), micro_batch=micro)
     except Exception as e:
@@ -700,6 +742,8 @@ def _line(rec: dict) -> str:
     peak = rec.get("peak_bytes")
     mem = f", peak {peak / 2**30:.2f} GiB" if peak else ""
     host = f", host issues a step in {rec['host_issue_ms']:.1f} ms" if rec.get("host_issue_ms") is not None else ""
+    if rec.get("capture_s") is not None:
+        host += f", captured in {rec['capture_s']:.1f} s"
     return (f"{rec['variant']}: {rec['tokens_per_s']:,.0f} tokens/s, {rec['step_ms']:.1f} ms/step{mem}{host}, "
             f"micro-batch {rec['micro_batch']}, losses {', '.join(f'{x:.4f}' for x in rec['losses'][:3])}")
 

@@ -235,7 +235,7 @@ def e2e_target_rows(e2e: dict) -> list[tuple[str, str, str]]:
         if mt != t_mt or seq != t_seq:
             continue
         for v in vs:
-            if _base(v) != "patchdsl" or v.get("batch", e2e.get("options", {}).get("batch")) != t_b:
+            if _base(v) not in ("patchdsl", "patchdsl+graphs") or v.get("batch", e2e.get("options", {}).get("batch")) != t_b:
                 continue
             what = f"e2e {mt} {t_b}x{t_seq}: {v['variant']} step <= {ms:.0f} ms"
             if v.get("status") != "ok":

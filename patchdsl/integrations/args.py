@@ -43,6 +43,11 @@ class PatchdslArguments:
     kpatch_log: Literal["totals", "sites", "none"] = field(default="totals", metadata={
         "help": "What to log when the plan is applied: totals (one line, e.g. '28/28 mlp patched'), sites "
                 "(also every patched and refused site) or none (only trainer.state.log_history)."})
+    kpatch_cuda_graphs: bool = field(default=False, metadata={
+        "help": "Capture each training step as one CUDA graph (docs/cuda-graphs.md). With patch_for_training "
+                "(your own loop) it checks for a CUDA model and gives handle.graph_step; with the Trainer "
+                "(PatchdslCallback) it is refused at setup, with the reasons: the Trainer's loop cannot be "
+                "captured safely."})
 
     def __post_init__(self) -> None:
         validate_kpatch_fields(self)
@@ -68,7 +73,7 @@ def validate_kpatch_fields(args: Any) -> None:
         args.kpatch_dtype = out or None
     if args.kpatch_log not in LOG_LEVELS:
         raise ValueError(f"kpatch_log must be one of {', '.join(LOG_LEVELS)}, got {args.kpatch_log!r}")
-    for name in ("kpatch_strict", "kpatch_verify", "kpatch_from_liger"):
+    for name in ("kpatch_strict", "kpatch_verify", "kpatch_from_liger", "kpatch_cuda_graphs"):
         if not isinstance(getattr(args, name), bool):
             raise ValueError(f"{name} must be true or false, got {getattr(args, name)!r}")
     if args.kpatch_spec is not None and not isinstance(args.kpatch_spec, str):

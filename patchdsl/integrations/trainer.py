@@ -27,6 +27,10 @@ What happens, and when (docs/training.md says the same for users):
   plan's totals are logged once (``transformers.trainer``'s logger and ``state.log_history``).
 * The patch stays on for evaluation and prediction inside training, and is undone at
   ``on_train_end``, so a standalone ``evaluate()`` runs the original model.
+
+``kpatch_cuda_graphs``: the callback refuses it when it is built (``TrainerGraphsRefused``, the
+reasons in ``TRAINER_GRAPHS_REASONS``); ``patch_for_training`` accepts it for loops you write and
+gives ``handle.graph_step`` (:func:`patchdsl.graph_step` bound to the model).
 """
 
 from __future__ import annotations
@@ -80,6 +84,31 @@ def spec_from_config(config: Any) -> tuple[Spec, bool]:
 
 
 # ------------------------------------------------------------------ errors
+# Why the Trainer's step cannot be one CUDA graph (transformers 5.17-5.24, trainer.py): each is a
+# host-side change between or inside steps that a replayed graph would not see.
+TRAINER_GRAPHS_REASONS = (
+    "the learning-rate scheduler writes a new Python float into the optimizer every step "
+    "(lr_scheduler.step()), which a captured optimizer step would never read",
+    "the batches come from a data collator that pads to each batch's longest sequence and adds an "
+    "attention_mask, so shapes change from batch to batch and transformers checks the mask on the host",
+    "num_items_in_batch is counted from the labels on the host side of the loop and passed to the loss "
+    "as a new value each step",
+    "gradient accumulation, loss scaling and gradient clipping run in accelerate's code between the "
+    "forward, the backward and the optimizer step, with callbacks and logging (.item()) in between",
+)
+
+
+class TrainerGraphsRefused(ValueError):
+    """``kpatch_cuda_graphs`` with the Trainer: refused when the callback is built, with the reasons."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "patchdsl: kpatch_cuda_graphs is not supported with the Trainer, because its training loop cannot be "
+            "captured as a CUDA graph safely:\n" + "\n".join(f"  - {r}" for r in TRAINER_GRAPHS_REASONS)
+            + "\n  hint: set kpatch_cuda_graphs: false for the Trainer (the patched kernels still apply), or write "
+              "the loop yourself with patchdsl.graph_step(model, optimizer, example_batch) (docs/cuda-graphs.md)")
+
+
 class KpatchRefused(RuntimeError):
     """``kpatch_strict``: sites of the spec were refused by the model; nothing was patched."""
 
@@ -116,6 +145,7 @@ class KpatchOptions:
     from_liger: bool = False
     dtypes: tuple[str, ...] | None = None
     log: str = "totals"
+    cuda_graphs: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -132,7 +162,7 @@ class KpatchOptions:
         validate_kpatch_fields(args)
         spec = load_spec(args.kpatch_spec) if args.kpatch_spec else None
         return cls(spec, args.kpatch_strict, args.kpatch_verify, args.kpatch_from_liger,
-                   tuple(args.kpatch_dtype) if args.kpatch_dtype else None, args.kpatch_log)
+                   tuple(args.kpatch_dtype) if args.kpatch_dtype else None, args.kpatch_log, args.kpatch_cuda_graphs)
 
 
 def liger_switches(training_args: Any) -> tuple[bool, Any]:
@@ -341,11 +371,25 @@ def patch_for_training(model: Any, args: Any, training_args: Any = None, *, logg
     ``kpatch_from_liger`` reads ``use_liger_kernel`` / ``liger_kernel_config`` and the bf16/fp16
     switches (default: ``args`` itself).  With no spec (and no Liger translation) nothing is patched
     and an inactive, empty handle is returned.
+
+    With ``kpatch_cuda_graphs`` the model must be on a CUDA device (``GraphStepError`` otherwise,
+    before anything is patched), and the handle has ``graph_step(optimizer, example_batch, **options)``:
+    :func:`patchdsl.graph_step` for this model (docs/cuda-graphs.md).
     """
     opts = KpatchOptions.from_args(args)
+    if opts.cuda_graphs:
+        from ..runtime.graphs import _cuda_device
+
+        _cuda_device(_base_model(model))       # refuse before patching: no CUDA, or the model is not on it
     handle = prepare(model, opts, training_args if training_args is not None else args, logger=logger)
     if handle.plan is not None:
         log_handle(handle, opts.log, logger or _logger())
+    if opts.cuda_graphs:
+        import functools
+
+        from ..runtime.graphs import graph_step
+
+        handle.graph_step = functools.partial(graph_step, model)
     return handle
 
 
@@ -367,6 +411,8 @@ class PatchdslCallback(_Base):
             options = KpatchOptions(spec, strict)
         elif config is not None:
             raise TypeError("give PatchdslCallback a config or options, not both")
+        if options.cuda_graphs:
+            raise TrainerGraphsRefused()
         self.options = options
         self.spec = options.spec
         self.strict = options.strict

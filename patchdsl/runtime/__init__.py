@@ -6,8 +6,13 @@ returns a :class:`PatchHandle` whose ``undo()`` puts every attribute back exactl
 Nothing process-wide is touched: no class, no name in a transformers modeling module, nothing
 in ``torch.nn.functional``.  Parameters are never copied or replaced, so ``state_dict()``,
 optimizers built before patching, and checkpoints are unaffected.
+
+``graph_step(model, optimizer, example_batch)`` (:mod:`.graphs`) captures a whole training step
+of a (patched) model as one CUDA graph; it changes no module, only the parameters' ``.grad``.
 """
 
+from .graphs import GraphedStep, GraphStepError, UnpatchedModelWarning, graph_step
 from .patch import PatchError, PatchHandle, Refusal, UnsupportedDtype, apply, patch_module, unpatch
 
-__all__ = ["PatchError", "PatchHandle", "Refusal", "UnsupportedDtype", "apply", "patch_module", "unpatch"]
+__all__ = ["PatchError", "PatchHandle", "Refusal", "UnsupportedDtype", "apply", "patch_module", "unpatch",
+           "GraphedStep", "GraphStepError", "UnpatchedModelWarning", "graph_step"]
