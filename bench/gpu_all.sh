@@ -25,9 +25,9 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s): bench ops
+# By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s): bench ops
 # --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
-# part, patchdsl vs Liger per family); SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
+# part, patchdsl vs Liger per family), host time fast vs normal launch, bench/kern_sweep.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
 #
 # Limits: T_<PART> (upper case), e.g. T_TESTS=60.  Variants and specs: QWEN3_VARIANTS, SPECS_VARIANTS,
 # E2E_STEPS (10).  DRY=1 writes the commands into bench.log instead of running them.  Hook scripts (f) run as `python3 bench/X.py` with PART_OUT set to a folder whose files
@@ -52,7 +52,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="sweep specialise profile amdahl"     # not in "all": the first round's other parts, by name only
+EXTRA="sweep specialise profile amdahl host_ab kern_sweep"     # not in "all": the first round's other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -136,6 +136,8 @@ for part in $PARTS; do
     specialise) lim=$(limit specialise 120) ;;
     profile) lim=$(limit profile 90) ;;
     amdahl) lim=$(limit amdahl 200) ;;
+    host_ab) lim=$(limit host_ab 90) ;;
+    kern_sweep) lim=$(limit kern_sweep 90) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -238,6 +240,21 @@ for part in $PARTS; do
       ;;
     profile)   # torch.profiler kernel tables, into bench.log
       run_part profile "$lim" python3 bench/profile_gpu.py ${PROF_ARGS:-}
+      ;;
+    host_ab)   # host time per forward, fast launch vs Triton's launcher (PATCHDSL_FAST_LAUNCH=0), patchdsl alone
+      ops="${HOST_OPS:-rmsnorm,geglu,swiglu,rope,qk_norm_rope,add_rmsnorm,linear_cross_entropy,linear_logprobs}"
+      for mode in 1 0; do
+        PATCHDSL_FAST_LAUNCH=$mode run_part "host_ab_fast$mode" $(( lim / 2 )) python3 -m patchdsl.cli bench ops \
+          --impls patchdsl --no-sweep --target-ms 20 --ops "$ops" --json "$WORK/host_fast$mode.json" --no-png \
+          --budget $(( lim / 2 - 8 ))
+      done
+      python3 bench/host_table.py "$WORK/host_fast1.json" "$WORK/host_fast0.json" >"$WORK/host_ab.txt" 2>>"$LOG"
+      cat "$WORK/host_ab.txt" | tee -a "$LOG" >>"$WORK/summary.parts"
+      ;;
+    kern_sweep)   # RMSNorm / GLU kernel variants (bench/kern_sweep.py)
+      mkdir -p "$WORK/kern"
+      run_part kern_sweep "$lim" python3 bench/kern_sweep.py --budget-s $(( lim - 15 )) --out "$WORK/kern" ${KERN_ARGS:-}
+      [ -f "$WORK/kern/kern_sweep.txt" ] && cat "$WORK/kern/kern_sweep.txt" >>"$WORK/summary.parts"
       ;;
     amdahl)    # GPU time of one step by part, patchdsl vs Liger, per family: the bound on patchdsl/Liger
       mkdir -p "$WORK/amdahl"
