@@ -499,6 +499,7 @@ def _profile_gpu():
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>", "attention"),
     ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*)", "attention"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "aten"),
     ("Memcpy DtoD (Device -> Device)", "aten"),
