@@ -147,9 +147,10 @@ for part in $PARTS; do
       t0=$(now)
       xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n ${TEST_WORKERS:-4}"
       to=""; python3 -c "import pytest_timeout" 2>/dev/null && to="--timeout 120"
-      l1=$(( lim * 55 / 100 ))
-      say "tests (limit ${lim}s): pytest tests -m gpu -x $xd (${l1}s), then tests/kernels -k '${TEST_K:-bf16}' -x $xd"
-      X timeout -k 5 "$l1" python3 -m pytest tests -m gpu -x -q -rfEs --tb=short --durations=8 $xd $to -p no:cacheprovider \
+      l1=$(( lim * ${GPU_TESTS_PCT:-55} / 100 ))
+      say "tests (limit ${lim}s): pytest ${GPU_TESTS:-tests} -m gpu -v $xd (${l1}s), then tests/kernels -k '${TEST_K:-bf16}' -x $xd"
+      # -v, no -x: every gpu-marked test's verdict is in tests.log as it finishes, even when the limit cuts the run
+      X timeout -k 5 "$l1" python3 -m pytest ${GPU_TESTS:-tests} -m gpu -v -rfEs --tb=short --durations=8 $xd $to -p no:cacheprovider \
         >"$OUT/tests.log" 2>&1
       rc1=$?
       l2=$(( lim - ($(now) - t0) )); [ "$l2" -lt 5 ] && l2=5
