@@ -202,8 +202,14 @@ for part in $PARTS; do
     posttrain)
       if [ -f bench/posttrain_bench.py ]; then
         mkdir -p "$WORK/posttrain"
-        PART_OUT="$WORK/posttrain" run_part posttrain "$lim" python3 bench/posttrain_bench.py --budget $(( lim - 5 ))
+        t0p=$(now); lp=$(( lim * 70 / 100 ))
+        PART_OUT="$WORK/posttrain" run_part posttrain "$lp" python3 bench/posttrain_bench.py --budget $(( lp - 5 ))
         [ -f "$WORK/posttrain/posttrain.txt" ] && cat "$WORK/posttrain/posttrain.txt" >>"$WORK/summary.parts"
+        lj=$(( lim - ($(now) - t0p) ))
+        if [ "$lj" -ge 15 ]; then   # the distillation op (no chunked-loss script covers it): vs PyTorch and Liger's fused JSD
+          run_part posttrain_jsd "$lj" python3 -m patchdsl.cli bench ops --ops linear_jsd --no-sweep \
+            --impls patchdsl,hf,liger --json "$WORK/ops_jsd.json" --no-png --budget $(( lj - 8 )) --target-ms 30
+        fi
       else
         fams=$(timeout 60 python3 -c "from patchdsl.bench.cases import families; print(','.join(n for n in families() if any(k in n for k in ('logprob', 'jsd', 'dpo', 'grpo', 'kl'))))" 2>>"$LOG")
         if [ -n "$fams" ]; then
