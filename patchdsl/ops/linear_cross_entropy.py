@@ -1,9 +1,17 @@
 """fused_linear_cross_entropy: LM head + causal-LM loss without materialising the logits.
 
 Selected on ``lm_head`` (kind Linear); replaces the forward of the causal LM that owns it
-(see :mod:`patchdsl.ops.loss_path`).  Tokens are processed in chunks: a matmul gives the chunk's
-logits, a Triton kernel turns them into d(loss)/d(logits) in place, two more matmuls give the
-chunk's grad_hidden and add its share of grad_weight.
+(see :mod:`patchdsl.ops.loss_path`).  Two modes (flag ``mode``):
+
+* ``chunked``: tokens are processed in chunks: a matmul gives the chunk's logits, a Triton kernel
+  turns them into d(loss)/d(logits) in place, two more matmuls give the chunk's grad_hidden and add
+  its share of grad_weight (3 matmul-equivalents, one (chunk, vocab) logits buffer);
+* ``fused``: the logits never reach memory.  The forward is one Triton matmul whose tiles keep
+  the online max / sum-exp and the target logit (softmax statistics -> logsumexp, loss); the
+  backward recomputes the logits one vocab band at a time in a Triton matmul whose epilogue turns
+  them into d(loss)/d(logits) for the band (a buffer of <= 32 MiB), and two cuBLAS matmuls give the
+  band's grad_weight rows (written once) and its share of grad_hidden (fp32 accumulation):
+  4 matmul-equivalents, bounded extra memory (the template's docstring has the arithmetic).
 """
 
 from __future__ import annotations
@@ -45,6 +53,64 @@ CHUNK_FLAGS = (
 )
 
 
+# ---- fused mode ------------------------------------------------------------------------------
+# Tile choices of the two fused kernels (the forward statistics and the backward band): BLOCK_M
+# tokens x BLOCK_N vocab entries per program, BLOCK_K hidden per step, warps, pipeline stages.
+# `bench/flce_sweep.py` times every one of them on the GPU; auto picks the DEFAULT_TILE of the dtype.
+FUSED_TILES = {
+    "m128n256k64w8s3": (128, 256, 64, 8, 3),
+    "m128n256k64w8s4": (128, 256, 64, 8, 4),
+    "m256n128k64w8s3": (256, 128, 64, 8, 3),
+    "m128n128k64w8s4": (128, 128, 64, 8, 4),
+    "m128n128k64w4s4": (128, 128, 64, 4, 4),
+    "m128n128k128w8s3": (128, 128, 128, 8, 3),
+    "m64n256k64w4s4": (64, 256, 64, 4, 4),
+    "m64n128k64w4s4": (64, 128, 64, 4, 4),
+    "m64n64k32w4s3": (64, 64, 32, 4, 3),          # fp32 (IEEE dot: bigger tiles spill)
+    "m32n32k16w4s1": (32, 32, 16, 4, 1),          # the interpreter (small, so tests see ragged edges)
+}
+DEFAULT_TILE = {"bf16": "m128n256k64w8s3", "fp16": "m128n256k64w8s3", "fp32": "m64n64k32w4s3"}
+INTERP_TILE = "m32n32k16w4s1"
+BAND_BUDGET = 32 * 2**20      # bytes of the backward's d(logits) band buffer (tokens x band columns)
+INTERP_BAND = 2               # vocab tiles per band on the interpreter (tests see several bands)
+
+FUSED_FLAGS = (
+    FlagSpec("mode", "choice", "auto",
+             "chunked: token chunks with their logits in memory (cuBLAS, 3 matmuls); fused: the logits "
+             "never reach memory (softmax statistics in the matmul's tiles, 4 matmuls, <= 64 MiB extra); "
+             "auto = chunked (faster at the Qwen3 head when 594 MiB are available)",
+             choices=("chunked", "fused"), auto_ok=True),
+    FlagSpec("tile", "choice", "auto", "fused mode: tile of the forward statistics kernel, "
+             "m<BLOCK_M>n<BLOCK_N>k<BLOCK_K>w<warps>s<stages>; auto = by dtype",
+             choices=tuple(FUSED_TILES), auto_ok=True),
+    FlagSpec("grad_tile", "choice", "auto", "fused mode: tile of the backward band kernel (as tile)",
+             choices=tuple(FUSED_TILES), auto_ok=True),
+    FlagSpec("band", "int", "auto", "fused mode: vocab columns per backward band (rounded to the tile); "
+             "auto = the most whose d(logits) fit 32 MiB at the call's token count", auto_ok=True, min=1),
+)
+
+
+def fused_params(flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+    """The fused mode's key parameters: mode, both tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), band."""
+    mode = flags.get("mode", "auto")
+    mode = "chunked" if mode == "auto" else mode
+    out: dict[str, Any] = {"mode": mode}
+    if mode != "fused":
+        return out
+    for flag, prefix in (("tile", "fwd"), ("grad_tile", "bwd")):
+        name = flags.get(flag, "auto")
+        if name == "auto":
+            name = INTERP_TILE if target == "interpreter" else DEFAULT_TILE[dtype]
+        bm, bn, bk, warps, stages = FUSED_TILES[name]
+        out.update({f"{prefix}_tile": name, f"{prefix}_bm": bm, f"{prefix}_bn": bn, f"{prefix}_bk": bk,
+                    f"{prefix}_warps": warps, f"{prefix}_stages": stages})
+    band = flags.get("band", "auto")
+    out["band"] = 0 if band == "auto" else int(band)            # 0: decided per call from the token count
+    out["band_budget"] = BAND_BUDGET
+    out["interp_band"] = INTERP_BAND if target == "interpreter" else 0
+    return out
+
+
 def head_sizes(info: ModuleInfo) -> tuple[int, int, bool]:
     """(vocab, hidden, bias) of the LM head a chunked op is planned on."""
     from .loss_path import hidden_of, vocab_of
@@ -80,7 +146,7 @@ class FusedLinearCrossEntropy(Op):
         FlagSpec("softcap", "float", "auto",
                  "final-logit softcapping cap*tanh(logits/cap); auto = the config's final_logit_softcapping "
                  "(Gemma); must match what the model's forward does", auto_ok=True, none_ok=True, min=0.0),
-    ) + LOSS_FLAGS[3:] + CHUNK_FLAGS
+    ) + LOSS_FLAGS[3:] + CHUNK_FLAGS + FUSED_FLAGS
 
     def misfit(self, info: ModuleInfo, index: Any) -> str | None:
         from .loss_path import lm_head_misfit
@@ -97,12 +163,30 @@ class FusedLinearCrossEntropy(Op):
         p = loss_params(vocab, flags, dtype, target, resolve_softcap(flags, facts), resolve_scaling(facts))
         chunk, acc = chunk_params(vocab, hidden, flags, dtype, target)
         p.update({"hidden": hidden, "w_dtype": dtype, "bias": bias, "chunk": chunk, "accumulate": acc})
+        p.update(fused_params(flags, dtype, target))
         return p
+
+    def validate(self, flags: Mapping[str, Any]) -> str | None:
+        """Flags of one mode given with the other mode (they would be silently ignored)."""
+        fused = flags.get("mode", "auto") == "fused"
+        own = ("tile", "grad_tile", "band") if not fused else ("chunk", "accumulate", "block", "programs_per_sm")
+        given = [f"{k}={flags[k]}" for k in own if flags.get(k, "auto") != "auto"]
+        if not given:
+            return None
+        if fused:
+            return (f"{', '.join(given)} only apply to mode=chunked (token chunks and their row kernel); "
+                    "mode=fused has no logits buffer: drop them or use mode=chunked")
+        return (f"{', '.join(given)} only apply to mode=fused (the logits-free kernels); "
+                f"mode={flags.get('mode', 'auto')} runs token chunks: add mode=fused or drop them")
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         name = loss_kernel_name(self.name, params)
         tgt = params.get("target", "cuda")
-        extra = f"c{params['chunk']}" + ("_bias" if params["bias"] else "") + f"_acc{params['accumulate']}"
+        if params.get("mode") == "fused":
+            band = f"_band{params['band']}" if params["band"] else ""
+            extra = f"fused_{params['fwd_tile']}_{params['bwd_tile']}{band}" + ("_bias" if params["bias"] else "")
+        else:
+            extra = f"c{params['chunk']}" + ("_bias" if params["bias"] else "") + f"_acc{params['accumulate']}"
         return name[: -len(tgt)] + extra + "_" + tgt
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
