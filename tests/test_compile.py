@@ -79,6 +79,8 @@ OPCHECK_RUNS = {
                                      "*.self_attn: Attention -> fused_rope\nlm_head: Linear -> fused_cross_entropy\n"),
     "phi3": (lambda: tiny("phi3"), "dtype fp32\n*.mlp: SwiGLU -> fused_swiglu\n*.self_attn: Attention -> fused_rope\n"
                                    "lm_head: Linear -> fused_linear_cross_entropy(reduction='none')\n"),
+    # the logits-free mode of the linear CE: its own forward (loss, logsumexp) and backward ops
+    "llama_fused_lce": (lambda: tiny("llama"), "dtype fp32\nlm_head: Linear -> fused_linear_cross_entropy(mode=fused)\n"),
     "phi": (tiny_phi, "dtype fp32\n*.input_layernorm, model.final_layernorm: LayerNorm -> fused_layernorm\n"),
     # the labels loss from per-token log-probs; chunks of 3 do not divide the 4 shifted tokens
     "logprobs": (lambda: tiny("qwen3"), "dtype fp32\nlm_head: Linear -> fused_linear_logprobs(chunk=3)\n"),

@@ -16,7 +16,7 @@ from patchdsl.ops.base import ModuleInfo
 from patchdsl.ops.linear_cross_entropy import CHUNK_BUDGET
 from patchdsl.ops.registry import get_op
 
-from .helpers import ce_reference, DEVICE, ON_GPU, TORCH_DTYPES, TOL, assert_close, kernel_for, sizes
+from .helpers import ce_reference, rel_err, DEVICE, ON_GPU, TORCH_DTYPES, TOL, assert_close, kernel_for, sizes
 
 OP = "fused_linear_cross_entropy"
 
@@ -304,3 +304,217 @@ def test_check_refuses_mismatches():
     assert op.check(lin, gemma, f) is None
     assert "softcap" in op.check(lin, gemma, dict(f, softcap=None))
     assert "softcap" in op.check(lin, info, dict(f, softcap=15.0))
+
+
+# ---------------------------------------------------------------- mode=fused (logits never in memory)
+# Interpreter tiles are 32 tokens x 32 vocab x 16 hidden with bands of 2 vocab tiles and 3 "SMs",
+# so 40 tokens x 200 vocab leave a ragged token block, a ragged last vocab tile, a ragged last band
+# (200 = 3 x 64 + 8) and a forward split into 3 vocab ranges; hidden 24 leaves a ragged K step.
+FUSED_SHAPES = sizes(
+    cpu=[(40, 32, 200, False), (37, 24, 200, True), (1, 32, 200, False), (64, 48, 96, True)],
+    gpu=[(4096, 1024, 151936, False), (1000, 896, 32000, True), (1, 1024, 151936, False), (3000, 2304, 256000, False)],
+)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("n,hidden,n_vocab,bias", FUSED_SHAPES)
+def test_fused_forward_backward(n, hidden, n_vocab, bias, dtype):
+    h, w, b, y, g = make(n, hidden, n_vocab, dtype, bias, seed=n + hidden + n_vocab + 1)
+    mod = kernels(n_vocab, hidden, dtype, bias=bias, mode="fused")
+    assert "lce_stats" in vars(mod) and "ce_fwd_" not in "".join(vars(mod))
+    out, ref = run_both(mod, h, w, b, y, g, grad_output=torch.tensor(0.7, dtype=torch.float64))
+    check(out, ref, dtype)
+    assert out[1].dtype == h.dtype and out[2].dtype == w.dtype
+
+
+FUSED_FLAG_SETS = [
+    ({"label_smoothing": 0.1}, {}),
+    ({"z_loss": 1e-3}, {}),
+    ({"reduction": "sum"}, {}),
+    ({"reduction": "none"}, {}),
+    ({"band": 40}, {}),                      # rounded down to one 32-column tile: 7 bands
+    ({"ignore_index": 7}, {}),
+    ({}, {"softcap": 30.0}),
+    ({}, {"logits_scaling": 4.0}),
+    ({"label_smoothing": 0.05, "z_loss": 1e-4, "reduction": "sum"}, {"softcap": 20.0}),
+]
+
+
+@pytest.mark.parametrize("flags,model", FUSED_FLAG_SETS,
+                         ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()) or "default")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_modes(flags, model, dtype):
+    n, hidden, n_vocab = sizes(cpu=[(35, 32, 200)], gpu=[(1024, 1024, 151936)])[0]
+    ignore = flags.get("ignore_index", -100)
+    h, w, b, y, g = make(n, hidden, n_vocab, dtype, True, seed=22)
+    if ignore != -100:
+        y[y == -100] = 11
+        y[[2, 9]] = ignore                     # the ignored label is a real class id here
+    mod = kernels(n_vocab, hidden, dtype, bias=True, mode="fused", **model, **flags)
+    ref_kw = {k: v for k, v in flags.items() if k in ("label_smoothing", "z_loss", "reduction")}
+    ref_kw.update(model)
+    if ignore != -100:
+        keep = y != ignore
+        hr, wr, br = h.double().requires_grad_(), w.double().requires_grad_(), b.double().requires_grad_()
+        ref = reference(hr[keep], wr, br, y[keep], **ref_kw)
+        ref.backward()
+        hs, ws, bs = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        loss = mod.linear_cross_entropy(hs, ws, bs, y)
+        loss.backward()
+        check((loss, hs.grad, ws.grad, bs.grad), (ref, hr.grad, wr.grad, br.grad), dtype)
+        assert torch.count_nonzero(hs.grad[~keep]) == 0
+        return
+    out, ref = run_both(mod, h, w, b, y, g, ref_kw)
+    check(out, ref, dtype)
+    assert out[0].shape == ref[0].shape
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fused_matches_chunked(reduction):
+    """Both modes of the op on the same inputs: losses and gradients agree to fp32 rounding."""
+    n, hidden, n_vocab = sizes(cpu=[(40, 32, 200)], gpu=[(2048, 1024, 151936)])[0]
+    h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=31, ignore=(0, 17))
+    go = torch.randn((n,) if reduction == "none" else (), generator=g).to(DEVICE)
+    res = []
+    for mode in ("chunked", "fused"):
+        mod = kernels(n_vocab, hidden, "fp32", bias=True, mode=mode, reduction=reduction)
+        hs, ws, bs = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        loss = mod.linear_cross_entropy(hs, ws, bs, y, n + 3 if reduction == "mean" else None)
+        (loss * go).sum().backward()
+        res.append((loss, hs.grad, ws.grad, bs.grad))
+    for what, a, c in zip(("loss", "grad_h", "grad_w", "grad_b"), *res):
+        assert_close(c, a, "fp32", f"fused vs chunked {what}")
+
+
+def test_fused_grad_output_scales_without_a_second_pass():
+    n, hidden, n_vocab = 24, 32, 200
+    h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=5)
+    mod = kernels(n_vocab, hidden, "fp32", bias=True, mode="fused")
+    grads = []
+    for s in (1.0, -2.5, 0.0):
+        hs, ws, bs = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        (mod.linear_cross_entropy(hs, ws, bs, y) * s).backward()
+        grads.append((hs.grad, ws.grad, bs.grad))
+    for a, c in zip(grads[0], grads[1]):
+        assert rel_err(c, a * -2.5) < 1e-6         # scaled inside the band kernel: fp32 rounding only
+    assert all(torch.count_nonzero(t) == 0 for t in grads[2])
+    # the backward can run twice (retain_graph): nothing is consumed in place
+    hs = h.clone().requires_grad_()
+    loss = mod.linear_cross_entropy(hs, w, b, y)
+    loss.backward(retain_graph=True)
+    first = hs.grad.clone()
+    loss.backward()
+    assert rel_err(hs.grad, 2 * first) < 1e-6
+
+
+def test_fused_all_ignored_frozen_weight_and_no_grad():
+    n, hidden, n_vocab = 20, 32, 200
+    h, w, b, y, g = make(n, hidden, n_vocab, "bf16", False, seed=8)
+    mod = kernels(n_vocab, hidden, "bf16", mode="fused")
+    hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
+    yi = torch.full_like(y, -100)
+    loss = mod.linear_cross_entropy(hs, ws, None, yi)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(hs.grad) == 0 and torch.count_nonzero(ws.grad) == 0
+    hs = h.clone().requires_grad_()
+    mod.linear_cross_entropy(hs, w, None, y).backward()          # frozen head: grad_W never computed
+    hr = h.double().requires_grad_()
+    reference(hr, w.double(), None, y).backward()
+    assert_close(hs.grad, hr.grad, "bf16", "grad_hidden")
+    _, gh, gw, gb = mod.linear_cross_entropy_forward(h, w, None, y, need_h=False, need_w=True, need_b=False)
+    assert gh is None and gw is not None and gb is None
+    with torch.no_grad():
+        nl = mod.linear_cross_entropy(h.requires_grad_(), w, None, y)
+    assert not nl.requires_grad
+    assert_close(nl, reference(h.double(), w.double(), None, y), "bf16", "loss", factor=0.25)
+    empty = mod.linear_cross_entropy(h[:0].clone().requires_grad_(), ws, None, y[:0])
+    empty.backward()                                           # no tokens: loss 0, no kernel launched
+
+
+def test_fused_under_custom_ops_matches_eager():
+    """The torch.library door (what torch.compile calls) gives the eager door's values."""
+    from patchdsl.codegen import custom_ops
+    n, hidden, n_vocab = 30, 32, 200
+    h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=12)
+    mod = kernels(n_vocab, hidden, "fp32", bias=True, mode="fused")
+    res = []
+    for door in ("eager", "ops"):
+        hs, ws, bs = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        if door == "ops":
+            with custom_ops.use_custom_ops():
+                loss = mod.linear_cross_entropy(hs, ws, bs, y, torch.tensor(n + 2))
+        else:
+            loss = mod.linear_cross_entropy(hs, ws, bs, y, torch.tensor(n + 2))
+        (loss * 1.5).backward()
+        res.append((loss, hs.grad, ws.grad, bs.grad))
+    for a, c in zip(*res):
+        assert rel_err(c, a) < 1e-6
+
+
+def test_fused_band_and_split_sizes():
+    _, p = _source(151936, 1024, target="cuda", mode="fused")
+    assert p["mode"] == "fused" and p["fwd_tile"] == "m128n256k64w8s3" and p["band"] == 0
+    name = get_op(OP).kernel_name(p)
+    assert name.endswith("_fused_m128n256k64w8s3_m128n256k64w8s3_cuda") and "_c2048" not in name
+    src, _ = _source(151936, 1024, target="cuda", mode="fused")
+    assert "def lce_stats" in src and "ce_fwd_" not in src and "out_dtype=torch.float32" in src
+    assert "a.to(tl.float32)" not in src                  # the interpreter workaround stays off the GPU path
+    h, w, b, y, g = make(4, 32, 200, "fp32", False, seed=1)
+    mod = kernels(200, 32, "fp32", mode="fused")
+    assert mod.band_columns(40) == 64                     # interpreter: 2 tiles of 32
+    assert mod._splits(2, 7, 3) == (3, 3)                 # 2 token blocks x 3 splits fill 3 "SMs" twice
+    assert mod._splits(128, 594, 132) == (594, 1)         # Qwen3 head, 16384 tokens: one wave already
+    assert mod._splits(64, 594, 132)[1] == 2              # Gemma-2 head, 8192 tokens: half the SMs idle otherwise
+    auto = kernels(200, 32, "fp32", mode="fused", band=100)
+    assert auto.band_columns(40) == 96
+
+
+def test_fused_source_is_specialised():
+    plain, _ = _source(200, 32, mode="fused")
+    assert "libdevice" not in plain and "SMOOTHING" not in plain and "tl.load(B +" not in plain
+    assert "a.to(tl.float32)" in plain                    # interpreter: no bf16 tl.dot
+    capped, _ = _source(200, 32, target="cuda", mode="fused", label_smoothing=0.1, softcap=30.0, bias=True)
+    assert "libdevice.tanh" in capped and "sz +=" in capped and "tl.load(B +" in capped
+    fp32, _ = _source(200, 32, target="cuda", dtype="fp32", mode="fused")
+    assert 'input_precision="ieee"' in fp32 and "m64n64k32w4s3" in fp32
+
+
+@pytest.mark.parametrize("flags,word", [
+    ({"mode": "fused", "chunk": 256}, "chunk=256 only apply to mode=chunked"),
+    ({"mode": "fused", "accumulate": "fp32", "block": 1024}, "accumulate=fp32, block=1024 only apply to mode=chunked"),
+    ({"tile": "m128n128k64w8s4"}, "tile=m128n128k64w8s4 only apply to mode=fused"),
+    ({"mode": "chunked", "band": 512}, "band=512 only apply to mode=fused"),
+])
+def test_mode_flags_of_the_other_mode_are_refused(flags, word):
+    op = get_op(OP)
+    f = op.default_flags()
+    f.update(flags)
+    assert word in op.validate(f)
+    assert op.validate(dict(op.default_flags(), mode="fused", tile="m64n128k64w4s4", band=2048)) is None
+    assert op.validate(dict(op.default_flags(), mode="chunked", chunk=256)) is None
+
+
+def test_mode_conflict_is_a_located_plan_error():
+    from patchdsl import SpecError, load_spec, plan
+    from tests.families import tiny_model
+    spec = "dtype fp32\nlm_head: Linear -> fused_linear_cross_entropy(mode=fused, chunk=64)\n"
+    with pytest.raises(SpecError) as e:
+        plan(load_spec(spec), tiny_model("llama"))
+    text = str(e.value)
+    assert ":2:" in text and "chunk=64 only apply to mode=chunked" in text
+
+
+@pytest.mark.skipif(not ON_GPU, reason="device memory accounting needs CUDA")
+def test_fused_extra_memory_at_most_64_mib():
+    n, hidden, n_vocab = 16384, 1024, 151936
+    h, w, b, y, g = make(n, hidden, n_vocab, "bf16", False, seed=1)
+    mod = kernels(n_vocab, hidden, "bf16", mode="fused")
+    hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = mod.linear_cross_entropy(hs, ws, None, y)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - (hs.numel() * 2 + ws.numel() * 2)
+    assert extra <= 64 * 2**20 + 2**20, f"extra peak {extra / 2**20:.1f} MiB"
