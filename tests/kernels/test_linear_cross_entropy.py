@@ -518,3 +518,9 @@ def test_fused_extra_memory_at_most_64_mib():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base - (hs.numel() * 2 + ws.numel() * 2)
     assert extra <= 64 * 2**20 + 2**20, f"extra peak {extra / 2**20:.1f} MiB"
+
+
+def test_unknown_tile_is_refused():
+    op = get_op(OP)
+    why = op.validate(dict(op.default_flags(), mode="fused", tile="m999"))
+    assert "tile=m999 is not a known tile" in why and "m128n256k64w8s3" in why
