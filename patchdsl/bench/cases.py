@@ -183,6 +183,12 @@ class Family:
     tiny: list[dict] = field(default_factory=list)
     peers: tuple[str, ...] = ("hf", "compile", "liger")
     target_note: str = ""
+    # flags written into the planning rule (``lm_head: Linear -> op(mode=fused)``), for a family
+    # that benchmarks another mode of an op another family already covers
+    flags: dict = field(default_factory=dict)
+    # a family whose peers are measured under another family's name (same shapes): comparisons
+    # use that family's peer rows, and its patchdsl row as the peer "<name>" (the other mode)
+    peers_from: str = ""
 
     # -- shapes
     def shapes(self, group: str) -> list[dict]:
@@ -1074,6 +1080,21 @@ def families() -> dict[str, Family]:
             sweep=[{"tokens": 4096, "hidden": 2048, "vocab": 128256}, {"tokens": 16384, "hidden": 4096, "vocab": 128256}],
             tiny=[{"tokens": 6, "hidden": 32, "vocab": 300}], peers=("hf", "compile", "liger", "cce"),
             target_note="fwd+bwd <= 23 ms and <= 64 MB extra peak at 16384x1024x151936"),
+        LinearCrossEntropyFamily(
+            "linear_cross_entropy_fused", "fused_linear_cross_entropy",
+            "lm_head matmul + cross entropy, mode=fused (logits never in memory; peers: linear_cross_entropy)",
+            ("hidden", "labels"), ("hidden",), ("weight",), ("loss",),
+            ("linear_cross_entropy", "fused_linear_cross_entropy"),
+            {"hidden": ("hidden", "h", "x", "hidden_states", "input", "e", "_input"),
+             "weight": ("weight", "w", "W", "lm_head_weight", "c", "lin_weight"),
+             "bias": ("bias", "b", "lm_head_bias"),
+             "labels": ("labels", "target", "targets", "y")}, ("hidden", "weight", "labels"),
+            issue=[{"tokens": 16384, "hidden": 1024, "vocab": 151936},
+                   {"tokens": 8192, "hidden": 2304, "vocab": 256000, "label": "8192x2304x256000 (gemma2 head)"}],
+            sweep=[{"tokens": 4096, "hidden": 2048, "vocab": 128256}, {"tokens": 16384, "hidden": 4096, "vocab": 128256}],
+            tiny=[{"tokens": 6, "hidden": 32, "vocab": 300}], peers=(), flags={"mode": "fused"},
+            peers_from="linear_cross_entropy",
+            target_note="fwd+bwd <= 23 ms and <= 64 MB extra peak at 16384x1024x151936 (8NHV: 25.8 ms at 790 TFLOP/s)"),
         LinearLogprobsFamily(
             "linear_logprobs", "fused_linear_logprobs", "lm_head matmul + per-token log-prob and entropy",
             ("hidden", "labels"), ("hidden",), ("weight",), ("logprob", "entropy"),

@@ -22,6 +22,9 @@ TARGETS = [
     ("linear_cross_entropy", "16384x1024x151936", "fwd_bwd_ms", 23.0, "linear CE 16384x1024x151936 fwd+bwd <= 23 ms"),
     ("linear_cross_entropy", "16384x1024x151936", "extra_peak_bytes", 64 * MiB, "linear CE extra peak <= 64 MB"),
     ("linear_cross_entropy", "16384x1024x151936", "no_host_sync", None, "linear CE: no host synchronisation"),
+    ("linear_cross_entropy_fused", "16384x1024x151936", "fwd_bwd_ms", 23.0, "linear CE mode=fused fwd+bwd <= 23 ms"),
+    ("linear_cross_entropy_fused", "16384x1024x151936", "extra_peak_bytes", 64 * MiB, "linear CE mode=fused extra peak <= 64 MB"),
+    ("linear_cross_entropy_fused", "16384x1024x151936", "no_host_sync", None, "linear CE mode=fused: no host synchronisation"),
 ]
 
 

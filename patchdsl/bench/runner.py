@@ -116,15 +116,16 @@ def plan_key(fam: Family, op: Any, shape: dict, dtype: str, target: str):
             break
     if path is None:
         raise LookupError(f"no module of kind {'/'.join(op.kinds)} in the planning model for {fam.op}")
-    spec = f"{path or '*'}: {kind} -> {op.name}\n"
-    p = plan(spec, index, target=target, dtypes=(dtype,))
+    args = ", ".join(f"{k}={v}" for k, v in getattr(fam, "flags", {}).items())
+    rule = f"{path or '*'}: {kind} -> {op.name}" + (f"({args})" if args else "")
+    p = plan(rule + "\n", index, target=target, dtypes=(dtype,))
     site = next((s for s in p.sites if s.path == path), None) or (p.sites[0] if p.sites else None)
     if site is None:
-        raise LookupError(f"planning '{spec.strip()}' gave no site")
+        raise LookupError(f"planning '{rule}' gave no site")
     key = site.key_for(dtype)
     if key is None:
         raise LookupError(f"the plan for {path} has no kernel for {dtype}")
-    return key, f"{path}: {kind} -> {op.name}"
+    return key, rule
 
 
 def build_patchdsl(fam: Family, params: dict, shape: dict, dtype: str, target: str, ref_shapes: list):
@@ -487,11 +488,16 @@ def comparisons(results: list[dict]) -> list[dict]:
     for r in results:
         if r.get("status") == "ok":
             by[(r["op"], r["label"], r["impl"])] = r
+    src_of = {name: f.peers_from for name, f in families().items() if f.peers_from}
     for (op, label, impl), pd in list(by.items()):
         if impl != "patchdsl":
             continue
-        for peer in IMPLS[1:]:
-            pr = by.get((op, label, peer))
+        src = src_of.get(op)
+        for peer in IMPLS[1:] + ((src,) if src else ()):
+            if peer == src:      # the other mode of the same op, measured as the other family's patchdsl row
+                pr = by.get((src, label, "patchdsl"))
+            else:
+                pr = by.get((op, label, peer)) or (by.get((src, label, peer)) if src else None)
             if not pr:
                 continue
             row = {"op": op, "label": label, "group": pd["group"], "peer": peer}

@@ -108,6 +108,12 @@ TUNE: dict[str, tuple[Variant, ...]] = {
         Variant(f"chunk_{c}", lambda p, c=c: {"chunk": c}, f"{c} tokens per chunk") for c in (512, 1024, 2048)
     ) + (Variant("chunk_1024_pps1", lambda p: {"chunk": 1024, "programs_per_sm": 1},
                  "1024 tokens per chunk, persistent row kernel 1/SM"),),
+    # fused linear CE: a few tiles for both kernels (bench/flce_sweep.py times every tile, the two
+    # kernels separately, and picks the best pair)
+    "linear_cross_entropy_fused": tuple(
+        Variant(f"tile_{t}", lambda p, t=t: {"tile": t, "grad_tile": t}, f"both kernels in tiles {t}")
+        for t in ("m128n128k64w8s4", "m256n128k64w8s3", "m128n256k64w8s4")
+    ) + (Variant("band_4096", lambda p: {"band": 4096}, "backward bands of 4096 vocab columns"),),
     "qk_norm_rope": tuple(
         Variant(f"bwd_block_{n}", lambda p, n=n: {"bwd_block": n}, f"backward tile of {n} elements")
         for n in (512, 4096)
@@ -149,8 +155,10 @@ def plan_variant(fam: Family, shape: dict, dtype: str, target: str, flags: Mappi
     if not flags:
         return key, rule
     path = rule.split(":", 1)[0]
-    args = ", ".join(f"{k}={v}" for k, v in flags.items())
-    rule = f"{rule}({args})"
+    merged = dict(getattr(fam, "flags", {}))          # a family's own flags (mode=fused), then the variant's
+    merged.update(flags)
+    args = ", ".join(f"{k}={v}" for k, v in merged.items())
+    rule = f"{rule.split('(', 1)[0]}({args})"
     model, _ = fam.plan_model(shape, dtype)
     p = plan(rule + "\n", build_index(model), target=target, dtypes=(dtype,))
     site = next(s for s in p.sites if s.path == path)
