@@ -71,7 +71,7 @@ FUSED_TILES = {
 }
 DEFAULT_TILE = {"bf16": "m128n256k64w8s3", "fp16": "m128n256k64w8s3", "fp32": "m64n64k32w4s3"}
 INTERP_TILE = "m32n32k16w4s1"
-BAND_BUDGET = 32 * 2**20      # bytes of the backward's d(logits) band buffer (tokens x band columns)
+EXTRA_BUDGET = 64 * 2**20     # extra bytes the fused backward stays within (band + fp32 grad_h excess + stats)
 INTERP_BAND = 2               # vocab tiles per band on the interpreter (tests see several bands)
 
 FUSED_FLAGS = (
@@ -87,7 +87,7 @@ FUSED_FLAGS = (
              auto_ok=True),
     FlagSpec("grad_tile", "str", "auto", "fused mode: tile of the backward band kernel (as tile)", auto_ok=True),
     FlagSpec("band", "int", "auto", "fused mode: vocab columns per backward band (rounded to the tile); "
-             "auto = the most whose d(logits) fit 32 MiB at the call's token count", auto_ok=True, min=1),
+             "auto = the most that keep the backward's extra memory within 64 MiB at the call's token count", auto_ok=True, min=1),
 )
 
 
@@ -107,7 +107,7 @@ def fused_params(flags: Mapping[str, Any], dtype: str, target: str) -> dict[str,
                     f"{prefix}_warps": warps, f"{prefix}_stages": stages})
     band = flags.get("band", "auto")
     out["band"] = 0 if band == "auto" else int(band)            # 0: decided per call from the token count
-    out["band_budget"] = BAND_BUDGET
+    out["extra_budget"] = EXTRA_BUDGET
     out["interp_band"] = INTERP_BAND if target == "interpreter" else 0
     return out
 

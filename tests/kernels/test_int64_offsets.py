@@ -49,15 +49,17 @@ SITES = [
                                           "logits_scaling": None, "tied": False}}),
     ("fused_linear_cross_entropy", {"CausalLM": {"vocab": 151936, "hidden": 1024, "bias": True, "softcap": None,
                                                  "logits_scaling": None, "tied": False}}),
+    ("fused_linear_cross_entropy", {"CausalLM": {"vocab": 256000, "hidden": 2304, "bias": True, "softcap": 30.0,
+                                                 "logits_scaling": None, "tied": False}}, {"mode": "fused"}),
 ]
 
 
 def _sources():
-    for op_name, kinds in SITES:
+    for op_name, kinds, *flags in SITES:
         op = get_op(op_name)
         for target in ("cuda", "interpreter"):
             info = ModuleInfo("m", "M", (), kinds, dtype="bf16")
-            p = op.key_params(info, op.default_flags(), "bf16", target)
+            p = op.key_params(info, dict(op.default_flags(), **(flags[0] if flags else {})), "bf16", target)
             yield f"{op_name}[{next(iter(kinds.values())).get('hidden', '')}/{target}]", \
                 render(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
 

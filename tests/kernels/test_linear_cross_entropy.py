@@ -467,6 +467,15 @@ def test_fused_band_and_split_sizes():
     assert mod._splits(64, 594, 132)[1] == 2              # Gemma-2 head, 8192 tokens: half the SMs idle otherwise
     auto = kernels(200, 32, "fp32", mode="fused", band=100)
     assert auto.band_columns(40) == 96
+    # the cuda module's band at the Qwen3 head keeps the backward's extra memory within 64 MiB:
+    # band + fp32 grad_h - the bf16 grad_h the caller keeps + logsumexp
+    from patchdsl.codegen import load_kernel
+    gpu_mod = load_kernel(KernelKey.make(get_op(OP).name, get_op(OP).template, name, p))
+    n = 16384
+    band = gpu_mod.band_columns(n)
+    assert band == 768 and band * n * 2 + n * 1024 * (4 - 2) + n * 4 <= 64 * 2**20 - 2**20
+    assert gpu_mod.band_columns(8) == 151936 // 256 * 256 + 256        # few tokens: one band
+    assert gpu_mod.band_columns(10**6) == 512                          # budget exhausted: 2 tiles
 
 
 def test_fused_source_is_specialised():
