@@ -32,6 +32,7 @@ from patchdsl.ops.registry import get_op  # noqa: E402
 OP = "fused_linear_cross_entropy"
 SHAPES = ("16384x1024x151936", "8192x2304x256000")
 SKIP_TILES = {INTERP_TILE, "m64n64k32w4s3"}          # interpreter / fp32 tiles
+DEVICE = "cuda"
 
 
 def build(vocab: int, hidden: int, dtype: str, flags: dict):
@@ -48,39 +49,45 @@ def build(vocab: int, hidden: int, dtype: str, flags: dict):
 
 
 def timed(fn, reps: int = 5) -> float:
+    """Median ms of ``reps`` calls after one warm-up (CUDA events; wall clock on the CPU smoke run)."""
     fn()
-    torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
     return statistics.median(ts)
 
 
 def rel(a, b) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def sweep_shape(shape: str, dtype: str, deadline: float, reps: int) -> None:
     n, hidden, vocab = (int(v) for v in shape.split("x"))
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(n, hidden, device="cuda", dtype=torch.float32, generator=g).to(dt)
-    w = (torch.randn(vocab, hidden, device="cuda", dtype=torch.float32, generator=g) * hidden ** -0.5).to(dt)
-    y = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    h = torch.randn(n, hidden, device=DEVICE, dtype=torch.float32, generator=g).to(dt)
+    w = (torch.randn(vocab, hidden, device=DEVICE, dtype=torch.float32, generator=g) * hidden ** -0.5).to(dt)
+    y = torch.randint(0, vocab, (n,), device=DEVICE, generator=g)
     y[::32] = -100
-    go = torch.ones((), device="cuda")
+    go = torch.ones((), device=DEVICE)
     mm = 2.0 * n * hidden * vocab
     print(f"\n== {shape} {dtype}: one matmul-equivalent = {mm / 1e12:.2f} TFLOP; fused = 4 of them ==")
     print(f"{'tile':<20} {'fwd ms':>8} {'fwd TF/s':>9} {'bwd ms':>8} {'bwd TF/s':>9}")
     rows = {}
-    for name in FUSED_TILES:
-        if name in SKIP_TILES:
+    for name in (FUSED_TILES if DEVICE == "cuda" else [INTERP_TILE]):
+        if name in SKIP_TILES and DEVICE == "cuda":
             continue
         if time.time() > deadline:
             print(f"{name:<20} skipped (budget)")
@@ -102,7 +109,7 @@ def sweep_shape(shape: str, dtype: str, deadline: float, reps: int) -> None:
     best_flags = {"mode": "fused", "tile": fwd, "grad_tile": bwd}
     mod = build(vocab, hidden, dtype, best_flags)
     band_rows = []
-    for band in (0, 512, 2048, 4096):
+    for band in (0, 512, 2048, 4096) if DEVICE == "cuda" else (0, 512):
         if time.time() > deadline and band:
             break
         m = mod if band == 0 else build(vocab, hidden, dtype, dict(best_flags, band=band))
@@ -118,13 +125,15 @@ def sweep_shape(shape: str, dtype: str, deadline: float, reps: int) -> None:
         m.linear_cross_entropy(hs, ws, None, y).backward()
 
     total = timed(lambda: step(mod), reps)
-    torch.cuda.synchronize()
-    hs.grad = ws.grad = None
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step(mod)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base - (hs.numel() + ws.numel()) * hs.element_size()
+    extra = float("nan")
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        hs.grad = ws.grad = None
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(mod)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base - (hs.numel() + ws.numel()) * hs.element_size()
     chunked = build(vocab, hidden, dtype, {"mode": "chunked"})
     c_total = timed(lambda: step(chunked), reps) if time.time() < deadline + 30 else float("nan")
     # correctness of the chosen configuration on the first 1024 tokens against fp32 torch
@@ -134,12 +143,12 @@ def sweep_shape(shape: str, dtype: str, deadline: float, reps: int) -> None:
     lk = mod.linear_cross_entropy(hk, wk, None, yk)
     lk.backward()
     hr, wr = h[:k].float().requires_grad_(), w.float().requires_grad_()
-    lr = torch.nn.functional.cross_entropy(hr @ wr.T, yk, ignore_index=-100)
+    lr = torch.nn.functional.cross_entropy(hr @ wr.T, yk, ignore_index=-100)       # fp32 logits
     lr.backward()
     errs = (rel(lk, lr), rel(hk.grad, hr.grad), rel(wk.grad, wr.grad))
     print(f"best: {OP}({', '.join(f'{a}={b}' for a, b in best_flags.items())})")
-    print(f"  fwd+bwd {total:.2f} ms ({4 * mm / total / 1e9:.0f} TFLOP/s of 8NHV), extra peak {extra / 2**20:.0f} MiB; "
-          f"chunked mode {c_total:.2f} ms; error vs fp32 torch (1024 tokens): loss {errs[0]:.1e}, "
+    print(f"  fwd+bwd {total:.2f} ms ({4 * mm / total / 1e9:.0f} TFLOP/s of 8NHV), extra peak {extra / 2**20:.1f} MiB; "
+          f"chunked mode {c_total:.2f} ms; error vs fp32 torch ({k} tokens): loss {errs[0]:.1e}, "
           f"grad_h {errs[1]:.1e}, grad_W {errs[2]:.1e}")
 
 
@@ -149,16 +158,22 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--budget", type=float, default=100.0, help="seconds; tiles left after it are skipped")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run the script's code on the CPU interpreter at tiny shapes (tests; no timing value)")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("flce_sweep: needs a CUDA GPU", file=sys.stderr)
+    global DEVICE
+    if a.cpu_smoke:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("flce_sweep: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
     shapes = [s for s in a.shapes.split(",") if s]
     t0 = time.time()
     for i, s in enumerate(shapes):
         share = (a.budget - (time.time() - t0)) / (len(shapes) - i)
         sweep_shape(s, a.dtype, time.time() + share * 0.7, a.reps)
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     print(f"\n{time.time() - t0:.0f} s")
     return 0
 

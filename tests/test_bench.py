@@ -514,3 +514,19 @@ def test_profile_kernel_categories(name, part):
     """bench/profile_gpu.py --what amdahl splits a step's GPU time by these categories; a Triton kernel of
     a replaced op must never be counted as gemm/aten (that would make the bound on patchdsl/Liger wrong)."""
     assert _profile_gpu().kernel_category(name) == part
+
+def test_flce_sweep_script_runs_on_the_interpreter(capsys):
+    """bench/flce_sweep.py (the lead runs it on the GPU in one call): its code path end to end at a
+    tiny shape, so a broken script does not cost a GPU run."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "flce_sweep.py"
+    spec = importlib.util.spec_from_file_location("flce_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--cpu-smoke", "--shapes", "20x48x96", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "best: fused_linear_cross_entropy(mode=fused, tile=" in out and "grad_W" in out
+    err = float(out.split("grad_W ")[1].split()[0])
+    assert err < 1.6e-2                                  # bf16: the chosen tiles compute the right thing
