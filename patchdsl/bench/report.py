@@ -84,6 +84,8 @@ def ops_summary(doc: dict) -> str:
            + ("" if doc.get("complete") else "  [INCOMPLETE: run stopped early]")]
     results = doc.get("results", [])
     by = {(r["op"], r["label"], r["impl"]): r for r in results}
+    from .cases import families
+    src_of = {n: f.peers_from for n, f in families().items() if f.peers_from}   # another mode's family
     header = ["op", "shape", "impl", "fwd ms", "bwd ms", "f+b ms", "%copy", "floor", "err", "peak MiB",
               "extra MiB", "host us", "vs hf", "vs comp", "vs liger"]
     rows: list[list[str]] = []
@@ -115,7 +117,7 @@ def ops_summary(doc: dict) -> str:
             def vs(peer):
                 if impl != "patchdsl":
                     return ""
-                p = by.get((op, label, peer))
+                p = by.get((op, label, peer)) or by.get((src_of.get(op), label, peer))
                 return _ratio(pdf, p.get("fwd_bwd_ms")) if p and p.get("status") == "ok" else "-"
 
             pc = r.get("pct_copy", {}).get("fwd_bwd")
