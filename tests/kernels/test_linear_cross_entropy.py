@@ -431,12 +431,14 @@ def test_fused_all_ignored_frozen_weight_and_no_grad():
     empty.backward()                                           # no tokens: loss 0, no kernel launched
 
 
-def test_fused_under_custom_ops_matches_eager():
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fused_under_custom_ops_matches_eager(reduction):
     """The torch.library door (what torch.compile calls) gives the eager door's values."""
     from patchdsl.codegen import custom_ops
     n, hidden, n_vocab = 30, 32, 200
     h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=12)
-    mod = kernels(n_vocab, hidden, "fp32", bias=True, mode="fused")
+    mod = kernels(n_vocab, hidden, "fp32", bias=True, mode="fused", reduction=reduction)
+    go = torch.randn((n,) if reduction == "none" else (), generator=g)
     res = []
     for door in ("eager", "ops"):
         hs, ws, bs = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
@@ -445,7 +447,7 @@ def test_fused_under_custom_ops_matches_eager():
                 loss = mod.linear_cross_entropy(hs, ws, bs, y, torch.tensor(n + 2))
         else:
             loss = mod.linear_cross_entropy(hs, ws, bs, y, torch.tensor(n + 2))
-        (loss * 1.5).backward()
+        (loss * go).sum().backward()
         res.append((loss, hs.grad, ws.grad, bs.grad))
     for a, c in zip(*res):
         assert rel_err(c, a) < 1e-6
@@ -533,3 +535,19 @@ def test_unknown_tile_is_refused():
     op = get_op(OP)
     why = op.validate(dict(op.default_flags(), mode="fused", tile="m999"))
     assert "tile=m999 is not a known tile" in why and "m128n256k64w8s3" in why
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_fused_custom_ops_pass_opcheck(reduction):
+    """Schema, fake tensors and the autograd registration of both fused ops (the llama run of
+    tests/test_compile.py checks reduction=mean as a patched model calls them)."""
+    n, hidden, n_vocab = 12, 32, 96
+    h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=13)
+    mod = kernels(n_vocab, hidden, "fp32", bias=True, mode="fused", reduction=reduction)
+    args = (h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_(), y, None)
+    res = torch.library.opcheck(mod.linear_cross_entropy_forward_op, args)
+    assert all(v == "SUCCESS" for v in res.values()), res
+    _, lse = mod.linear_cross_entropy_stats(h, w, b, y)
+    go = torch.randn((n,) if reduction == "none" else (), generator=g)
+    res = torch.library.opcheck(mod.linear_cross_entropy_grads_op, (h, w, b, y, lse, go, None, True, True, True))
+    assert all(v == "SUCCESS" for v in res.values()), res
