@@ -107,6 +107,15 @@ def sweep_shape(shape: str, dtype: str, deadline: float, reps: int) -> None:
     fwd = min(rows, key=lambda k: rows[k][0])
     bwd = min(rows, key=lambda k: rows[k][1])
     best_flags = {"mode": "fused", "tile": fwd, "grad_tile": bwd}
+    # the forward's vocab and hidden loops flattened into one pipelined loop (tl.range(flatten=True))
+    try:
+        flat = build(vocab, hidden, dtype, dict(best_flags, flatten=True))
+        f_ms = timed(lambda: flat.linear_cross_entropy_stats(h, w, None, y), reps)
+        print(f"forward {fwd} flattened: {f_ms:.2f} ms ({mm / f_ms / 1e9:.0f} TFLOP/s) vs {rows[fwd][0]:.2f}")
+        if f_ms < rows[fwd][0]:
+            best_flags["flatten"] = True
+    except Exception as e:
+        print(f"forward {fwd} flattened: failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
     mod = build(vocab, hidden, dtype, best_flags)
     band_rows = []
     for band in (0, 512, 2048, 4096) if DEVICE == "cuda" else (0, 512):

@@ -113,7 +113,8 @@ TUNE: dict[str, tuple[Variant, ...]] = {
     "linear_cross_entropy_fused": tuple(
         Variant(f"tile_{t}", lambda p, t=t: {"tile": t, "grad_tile": t}, f"both kernels in tiles {t}")
         for t in ("m128n128k64w8s4", "m256n128k64w8s3", "m128n256k64w8s4")
-    ) + (Variant("band_4096", lambda p: {"band": 4096}, "backward bands of 4096 vocab columns"),),
+    ) + (Variant("band_4096", lambda p: {"band": 4096}, "backward bands of 4096 vocab columns"),
+         Variant("flatten", lambda p: {"flatten": True}, "forward loops flattened into one pipelined loop")),
     "qk_norm_rope": tuple(
         Variant(f"bwd_block_{n}", lambda p, n=n: {"bwd_block": n}, f"backward tile of {n} elements")
         for n in (512, 4096)

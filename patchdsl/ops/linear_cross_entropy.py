@@ -86,6 +86,8 @@ FUSED_FLAGS = (
              "(m<BLOCK_M>n<BLOCK_N>k<BLOCK_K>w<warps>s<stages>, e.g. m128n256k64w8s3); auto = by dtype",
              auto_ok=True),
     FlagSpec("grad_tile", "str", "auto", "fused mode: tile of the backward band kernel (as tile)", auto_ok=True),
+    FlagSpec("flatten", "bool", False, "fused mode: the forward kernel's vocab and hidden loops as one "
+             "pipelined loop (tl.range(flatten=True)); measured by bench/flce_sweep.py"),
     FlagSpec("band", "int", "auto", "fused mode: vocab columns per backward band (rounded to the tile); "
              "auto = the most that keep the backward's extra memory within 64 MiB at the call's token count", auto_ok=True, min=1),
 )
@@ -105,6 +107,7 @@ def fused_params(flags: Mapping[str, Any], dtype: str, target: str) -> dict[str,
         bm, bn, bk, warps, stages = FUSED_TILES[name]
         out.update({f"{prefix}_tile": name, f"{prefix}_bm": bm, f"{prefix}_bn": bn, f"{prefix}_bk": bk,
                     f"{prefix}_warps": warps, f"{prefix}_stages": stages})
+    out["fwd_flatten"] = bool(flags.get("flatten", False))
     band = flags.get("band", "auto")
     out["band"] = 0 if band == "auto" else int(band)            # 0: decided per call from the token count
     out["extra_budget"] = EXTRA_BUDGET
@@ -176,8 +179,8 @@ class FusedLinearCrossEntropy(Op):
         for k in ("tile", "grad_tile"):
             if flags.get(k, "auto") != "auto" and flags[k] not in FUSED_TILES:
                 return f"{k}={flags[k]} is not a known tile; known: {', '.join(FUSED_TILES)}"
-        own = ("tile", "grad_tile", "band") if not fused else ("chunk", "accumulate", "block", "programs_per_sm")
-        given = [f"{k}={flags[k]}" for k in own if flags.get(k, "auto") != "auto"]
+        own = ("tile", "grad_tile", "band", "flatten") if not fused else ("chunk", "accumulate", "block", "programs_per_sm")
+        given = [f"{k}={flags[k]}" for k in own if flags.get(k, "auto") not in ("auto", False)]
         if not given:
             return None
         if fused:
@@ -191,7 +194,8 @@ class FusedLinearCrossEntropy(Op):
         tgt = params.get("target", "cuda")
         if params.get("mode") == "fused":
             band = f"_band{params['band']}" if params["band"] else ""
-            extra = f"fused_{params['fwd_tile']}_{params['bwd_tile']}{band}" + ("_bias" if params["bias"] else "")
+            extra = (f"fused_{params['fwd_tile']}{'f' if params.get('fwd_flatten') else ''}_{params['bwd_tile']}{band}"
+                     + ("_bias" if params["bias"] else ""))
         else:
             extra = f"c{params['chunk']}" + ("_bias" if params["bias"] else "") + f"_acc{params['accumulate']}"
         return name[: -len(tgt)] + extra + "_" + tgt

@@ -177,7 +177,15 @@ def flag_variants(op) -> list[dict]:
             out += [{f.name: 0.0}, {f.name: 1.0}]      # the ends select other compiled-in modes (JSD's beta)
         elif f.type == "int" and f.name == "block":
             out.append({f.name: 256})
-    return out
+    # a flag of one mode alone is refused by the op (fused_linear_cross_entropy's flatten=true
+    # without mode=fused): pair it with the first other variant that makes it valid
+    fixed = []
+    for v in out:
+        if op.validate(resolved_flags(op, v)):
+            v = next((dict(o, **v) for o in out if o is not v and not op.validate(resolved_flags(op, dict(o, **v)))), None)
+        if v is not None and v not in fixed:
+            fixed.append(v)
+    return fixed
 
 
 def _jit_functions(mod):

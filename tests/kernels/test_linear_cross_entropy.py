@@ -488,6 +488,11 @@ def test_fused_source_is_specialised():
     assert "libdevice.tanh" in capped and "sz +=" in capped and "tl.load(B +" in capped
     fp32, _ = _source(200, 32, target="cuda", dtype="fp32", mode="fused")
     assert 'input_precision="ieee"' in fp32 and "m64n64k32w4s3" in fp32
+    flat, fp = _source(200, 32, target="cuda", mode="fused", flatten=True)
+    assert "tl.range(n_lo, n_hi, BLOCK_N, flatten=True)" in flat and "flatten=True" not in capped
+    assert get_op(OP).kernel_name(fp).endswith("_fused_m128n256k64w8s3f_m128n256k64w8s3_cuda")
+    interp, _ = _source(200, 32, mode="fused", flatten=True)
+    assert "flatten=True" not in interp                  # the interpreter runs the plain nested loops
 
 
 @pytest.mark.parametrize("flags,word", [
@@ -495,6 +500,7 @@ def test_fused_source_is_specialised():
     ({"mode": "fused", "accumulate": "fp32", "block": 1024}, "accumulate=fp32, block=1024 only apply to mode=chunked"),
     ({"tile": "m128n128k64w8s4"}, "tile=m128n128k64w8s4 only apply to mode=fused"),
     ({"mode": "chunked", "band": 512}, "band=512 only apply to mode=fused"),
+    ({"flatten": True}, "flatten=True only apply to mode=fused"),
 ])
 def test_mode_flags_of_the_other_mode_are_refused(flags, word):
     op = get_op(OP)
