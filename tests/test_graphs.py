@@ -9,6 +9,7 @@ the op's name, each shape-change policy, and the misuse checks.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -334,14 +335,32 @@ def test_gpu_a_host_sync_inside_the_step_is_refused_with_the_op_and_the_line():
 
 @pytest.mark.gpu
 @cuda
-def test_gpu_an_attention_mask_is_refused_with_the_way_out():
-    """transformers checks a padding mask on the host (outside a capture) to choose SDPA's causal path."""
-    m = _qwen3(torch.float32)
+def test_gpu_a_padded_batch_is_graphed_where_transformers_skips_its_mask_check_in_a_capture():
+    """transformers checks a padding mask on the host (`mask.all()`) unless is_tracing() says a CUDA stream
+    captures; where it says so, the checked warm-up takes the capture's path and a padded batch gives eager's
+    losses; elsewhere the sync is refused with the way out."""
+    from patchdsl.runtime.graphs import _as_if_capturing
+    import transformers.utils.import_utils as iu
+
+    def padded(b):
+        am = torch.ones_like(b["input_ids"])
+        am[1:, -3:] = 0
+        labels = b["labels"].masked_fill(am == 0, -100)
+        return dict(b, attention_mask=am, labels=labels)
+
+    batches = [padded(b) for b in _batches(3)]
+    ref, m = _qwen3(torch.float32), _qwen3(torch.float32)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True, capturable=True)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True)
-    batch = dict(_batches(1)[0], attention_mask=torch.ones(4, 16, dtype=torch.long, device="cuda"))
-    with pytest.raises(GraphStepError, match="synchronises with the host.*The batch has an attention_mask.*"
-                                             "check_syncs=False"):
-        graph_step(m, opt, batch)
+    if "is_cuda_stream_capturing" in iu.is_tracing.__code__.co_names:
+        want = [_eager_step(ref, ropt, b) for b in batches]
+        step = graph_step(m, opt, batches[0])
+        got = [float(step(b)) for b in batches]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL[torch.float32])
+    else:
+        with pytest.raises(GraphStepError, match="synchronises with the host.*The batch has an attention_mask.*"
+                                                 "check_syncs=False"):
+            graph_step(m, opt, batches[0])
 
 
 @pytest.mark.gpu
@@ -709,3 +728,32 @@ def test_stand_in_an_optimizer_with_unknown_initial_state_is_refused_before_the_
     step = _graphed(m, opt, _cpu_batches(1)[0], preserve_state=False)      # allowed: the warm-up trains
     assert not all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
     step.close()
+
+
+def test_position_ids_are_refused_packed_sequences_would_go_undetected():
+    with pytest.raises(GraphStepError, match="position_ids.*packed"):
+        batch_signature({"input_ids": torch.zeros(2, 4, dtype=torch.long),
+                         "position_ids": torch.arange(4).expand(2, 4)})
+
+
+def test_the_checked_warm_up_answers_is_cuda_stream_capturing_only_where_is_tracing_asks_it(monkeypatch):
+    """_as_if_capturing makes transformers take its in-capture path during the sync-checked warm-up, and
+    leaves a version whose is_tracing() does not consult capture alone (there the capture would hit the sync)."""
+    import types
+    from patchdsl.runtime import graphs
+
+    def make(consults: bool):
+        mod = types.ModuleType("transformers.utils.import_utils")
+        mod.is_cuda_stream_capturing = lambda: False
+        if consults:
+            exec("def is_tracing(t=None):\n    return is_cuda_stream_capturing()", mod.__dict__)
+        else:
+            exec("def is_tracing(t=None):\n    return False", mod.__dict__)
+        return mod
+
+    for consults in (True, False):
+        mod = make(consults)
+        monkeypatch.setitem(sys.modules, "transformers.utils.import_utils", mod)
+        with graphs._as_if_capturing():
+            assert mod.is_tracing() is consults
+        assert mod.is_tracing() is False and mod.is_cuda_stream_capturing() is False

@@ -53,11 +53,13 @@ docs/cuda-graphs.md is the user documentation.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 SHAPE_POLICIES = ("error", "recapture", "eager")
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")        # torch.cuda.graph(capture_error_mode=...)
@@ -101,6 +103,11 @@ def batch_signature(batch: Mapping[str, Any]) -> tuple:
     if not isinstance(batch, Mapping):
         raise GraphStepError(f"a batch must be a mapping of model keyword arguments to tensors (e.g. "
                              f"{{'input_ids': ..., 'labels': ...}}), got {type(batch).__name__}")
+    if "position_ids" in batch:
+        raise GraphStepError("the batch has position_ids: transformers finds packed sequences (positions that restart "
+                             "at 0) with a host check that it skips while a CUDA stream is capturing, so a captured "
+                             "graph would treat a packed row as one sequence. Leave position_ids out (the model counts "
+                             "positions itself), or run packed batches eagerly")
     sig = []
     for k in sorted(batch):
         v = batch[k]
@@ -446,7 +453,8 @@ class GraphedStep:
         prev = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            self._run(static)
+            with _as_if_capturing():
+                self._run(static)
             return
         except RuntimeError as e:
             if not _is_sync_error(e):
@@ -461,7 +469,7 @@ class GraphedStep:
         spy = _SyncSpy()                  # the same iteration again (the caller restores the state after)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with spy:
+            with spy, _as_if_capturing():
                 self._run(static)
         except RuntimeError as e2:
             if _is_sync_error(e2):
@@ -647,12 +655,35 @@ def _slice(v: Any, a: int, b: int, rows: int) -> Any:
     return v
 
 
+@contextlib.contextmanager
+def _as_if_capturing() -> Iterator[None]:
+    """The checked warm-up takes the code paths the capture will take.  transformers skips its
+    data-dependent host checks (``find_packed_sequence_indices``'s ``.all()``, the "can the mask be
+    dropped" test) when ``is_tracing()`` is true, which includes "a CUDA stream is capturing" in the
+    versions whose ``is_tracing`` consults ``is_cuda_stream_capturing``; only there is that answer
+    made true for the warm-up (elsewhere the capture would hit the same sync, so it must be refused).
+    Batches with ``position_ids`` are refused before this (packed sequences would not be detected)."""
+    mod = sys.modules.get("transformers.utils.import_utils")
+    fn = getattr(mod, "is_tracing", None) if mod is not None else None
+    if fn is None or "is_cuda_stream_capturing" not in getattr(getattr(fn, "__code__", None), "co_names", ()) \
+            or not callable(getattr(mod, "is_cuda_stream_capturing", None)):
+        yield
+        return
+    orig = mod.is_cuda_stream_capturing
+    mod.is_cuda_stream_capturing = lambda: True
+    try:
+        yield
+    finally:
+        mod.is_cuda_stream_capturing = orig
+
+
 def _batch_hint(static: Mapping[str, Any]) -> str:
     if "attention_mask" in static:
-        return (". The batch has an attention_mask: transformers checks on the host whether it pads anything "
-                "(`mask.all()`, skipped while a CUDA stream is capturing, but not in the warm-up that this check "
-                "watches); for unpadded batches leave attention_mask out (the causal path needs none); for batches "
-                "padded to a fixed length, check_syncs=False lets the capture itself refuse a real sync")
+        return (". The batch has an attention_mask: this transformers version checks on the host whether it pads "
+                "anything (`mask.all()`; versions whose is_tracing() consults CUDA stream capture skip that check in a "
+                "capture, and the warm-up check then skips it too); for unpadded batches leave attention_mask out (the "
+                "causal path needs none); for batches padded to a fixed length, check_syncs=False lets the capture "
+                "itself refuse a real sync")
     return ""
 
 
