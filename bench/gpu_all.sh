@@ -25,7 +25,7 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s): bench ops
+# By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s): bench ops
 # --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
 # part, patchdsl vs Liger per family), host time fast vs normal launch, bench/kern_sweep.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
 #
@@ -52,7 +52,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="sweep specialise profile amdahl host_ab kern_sweep"     # not in "all": the first round's other parts, by name only
+EXTRA="sweep specialise profile amdahl host_ab kern_sweep flce"     # not in "all": the first round's other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -138,6 +138,7 @@ for part in $PARTS; do
     amdahl) lim=$(limit amdahl 200) ;;
     host_ab) lim=$(limit host_ab 90) ;;
     kern_sweep) lim=$(limit kern_sweep 90) ;;
+    flce) lim=$(limit flce 120) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -257,6 +258,17 @@ for part in $PARTS; do
       done
       python3 bench/host_table.py "$WORK/host_fast1.json" "$WORK/host_fast0.json" >"$WORK/host_ab.txt" 2>>"$LOG"
       cat "$WORK/host_ab.txt" | tee -a "$LOG" >>"$WORK/summary.parts"
+      ;;
+    flce)   # the fully fused linear CE (mode=fused): tile sweep at both issue shapes (its output into bench.log and
+            # flce.txt), then bench ops of the fused family vs the chunked mode, torch.compile, Liger and CCE
+      t0f=$(now); lf=$(( lim * 60 / 100 ))
+      run_part flce_sweep "$lf" python3 bench/flce_sweep.py --budget $(( lf - 10 )) ${FLCE_ARGS:-}
+      sed -n '/flce_sweep (limit/,$p' "$LOG" | grep -v "^== " >"$WORK/flce.txt" 2>/dev/null
+      lb=$(( lim - ($(now) - t0f) ))
+      if [ "$lb" -ge 15 ]; then
+        run_part flce_ops "$lb" python3 -m patchdsl.cli bench ops --ops linear_cross_entropy_fused --no-sweep \
+          --json "$WORK/ops_flce.json" --no-png --budget $(( lb - 8 )) --target-ms 60
+      fi
       ;;
     kern_sweep)   # RMSNorm / GLU kernel variants (bench/kern_sweep.py)
       mkdir -p "$WORK/kern"

@@ -212,9 +212,9 @@ def run_variant(a, variant: str, rank: int, world: int, dev) -> dict[str, Any]:
             recorder = HeadRecorder()
             recorder.install()
 
-    if variant.startswith("patched"):
-        patch()                                       # patch first, then shard
-    model.to(dev)
+    model.to(dev)                                     # before planning: the plan checks that the kernels' target
+    if variant.startswith("patched"):                 # is where the parameters are (the H200 refused every site
+        patch()                                       # planned on the CPU copy); patch first, then shard
     shard(model, run_dtype, a.head_unit)
     if variant == "shard-then-patch":
         patch()

@@ -62,7 +62,10 @@ def glu_config(inter: int, target: str, block: Any = "auto") -> dict[str, Any]:
 #               flat: separate gate/up only -- the row-contiguous tensors as one flat array,
 #               FLAT_BLOCK elements per program, masked only at the end (what Inductor generates)
 #   evict       evict_first on the streamed loads
-GLU_TUNING = {"glu_layout": "rows", "FLAT_BLOCK": 2048, "evict": False}
+# H200 sweep (bench/results/h200-2026-12-03-r3run2, kern_sweep): flat 1024/4 warps 422.3 us vs rows 429.1 at
+# GeGLU 16384x6912 (the floor at its read:write mix 425.1), 191.9 vs 192.9 at SwiGLU 16384x3072 (= torch.compile).
+GLU_TUNING = {"glu_layout": "flat", "FLAT_BLOCK": 1024, "evict": False}
+FLAT_WARPS = 4          # warps of a flat program (the rows layout keeps glu_config's choice)
 
 
 class FusedGLU(Op):
@@ -85,6 +88,8 @@ class FusedGLU(Op):
         act = self.activation(f, flags)
         cfg = glu_config(inter, target, flags.get("block", "auto"))
         fused = bool(f["fused_gate_up"])
+        if cfg["glu_layout"] == "flat" and not fused:
+            cfg["num_warps"] = FLAT_WARPS
         return {
             "dtype": dtype, "intermediate": inter, "hidden": int(f["hidden"]), "activation": act,
             "fused_gate_up": fused, "fn": self.fn, "cls": self.cls_name, "target": target,

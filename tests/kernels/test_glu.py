@@ -37,12 +37,14 @@ def glu_kernel(act: str, inter: int, fused: bool, dtype: str, **flags):
 
 
 def source(op_name: str, inter: int, fused: bool = False, act: str = "silu", dtype: str = "bf16",
-           target: str = "interpreter", **flags) -> tuple[str, dict]:
+           target: str = "interpreter", layout: str = "rows", **flags) -> tuple[str, dict]:
+    """The generated module's source; ``layout`` picks the kernel layout (a template parameter the
+    H200 sweep chose, not a flag): the source tests below are about the rows layout's specialisation."""
     op = get_op(op_name)
     fl = op.default_flags()
     fl.update(flags)
     info = ModuleInfo("mlp", "MLP", (), {KIND[op_name]: facts(inter, fused, act)})
-    params = op.key_params(info, fl, dtype, target)
+    params = dict(op.key_params(info, fl, dtype, target), glu_layout=layout)
     return render(KernelKey.make(op.name, op.template, op.kernel_name(params), params)), params
 
 
@@ -318,6 +320,21 @@ def test_source_block_flag_forces_loop():
     src, p = source("fused_swiglu", 1000, block=256)
     assert p["BLOCK"] == 256 and not p["single_pass"]
     assert "for start in range" in code_only(src)
+
+
+def test_default_layout_is_flat_for_separate_gate_and_up_and_rows_for_a_fused_gate_up():
+    """The shipped choice (H200 sweep): separate gate/up tensors are one flat array, FLAT_BLOCK elements
+    per program, masked only at the end; Phi-3's interleaved gate_up rows keep the row layout."""
+    op = get_op("fused_swiglu")
+    for fused, layout in ((False, "flat"), (True, "rows")):
+        info = ModuleInfo("mlp", "MLP", (), {KIND["fused_swiglu"]: facts(1000, fused, "silu")})
+        p = op.key_params(info, op.default_flags(), "bf16", "cuda")
+        src = render(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+        if layout == "flat" and not fused:
+            assert p["glu_layout"] == "flat" and p["num_warps"] == 4
+            assert "FLAT_BLOCK = 1024" in src and "n_elem" in code_only(src)
+        else:
+            assert "FLAT_BLOCK =" not in src and "n_rows" in code_only(src)
 
 
 def test_source_fused_layout_and_names():

@@ -221,7 +221,8 @@ GLU_ACTS = {  # activation -> (op, kind, flags, float64 reference)
 GLU_VARIANTS = {
     "flat_64_w2": {"glu_layout": "flat", "FLAT_BLOCK": 64, "num_warps": 2},
     "flat_256_evict": {"glu_layout": "flat", "FLAT_BLOCK": 256, "evict": True, "num_warps": 4},
-    "rows_evict": {"evict": True},
+    "rows": {"glu_layout": "rows"},
+    "rows_evict": {"glu_layout": "rows", "evict": True},
 }
 # (rows, intermediate): n_elem not a multiple of the flat block (masked end); rows longer than a
 # block (the rows layout loops); one row
