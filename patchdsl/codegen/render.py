@@ -36,6 +36,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 CLOSED_SETS: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES, "w_dtype": DTYPES, "target": ("cuda", "interpreter"), "casting": ("llama", "gemma"),
     "dw_reduce": ("kernel", "atomic"), "dw_zero": ("fill", "forward"), "glu_layout": ("rows", "flat"),
+    "fwd_layout": ("per_token", "block"), "bwd_layout": ("per_token", "block"),
 }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
-from .common import resolve_auto
+from .common import next_pow2, resolve_auto
 from .registry import register
 from .rope import ROPE_FLAGS, SUPPORTED_DTYPES, attention_reason, rope_geometry
 
@@ -41,6 +41,17 @@ BWD_PROGRAMS_PER_SM = 16
 # Same shape: every kernel in 4-head tiles (2 warps) 0.232 ms vs 0.280 ms with all 16 q heads in one
 # tile (4 warps; 8 warps: 0.395 ms); the backward alone in 4-head tiles: 0.222 ms (fwd+bwd).
 CUDA_BWD_BLOCK = 256
+
+# Kernel shapes that ``bench/kern_sweep.py --ops qk_norm_rope`` times against each other (template
+# parameters, not user flags; the defaults are the shipped kernels):
+#   fwd_layout  per_token: a program per tokens_per_program token(s), each token's heads in tiles of
+#               ``block`` elements; block: a program per ``fwd_tokens`` tokens, one 3-D tile of
+#               (tokens x all heads x rotary half), cos/sin loaded once per token
+#   bwd_layout  per_token: the persistent backward walks its tokens one at a time, heads in tiles of
+#               ``bwd_block`` (adding each tile's dW terms across threads every step); block: it walks
+#               them ``bwd_tokens`` at a time in one (tokens x all heads x half) tile, the dW terms
+#               accumulated in fp32 tiles and reduced once per program
+QK_TUNING = {"fwd_layout": "per_token", "fwd_tokens": 1, "bwd_layout": "per_token", "bwd_tokens": 1}
 
 
 class FusedQKNormRope(Op):
@@ -80,7 +91,8 @@ class FusedQKNormRope(Op):
                                               "k_block_heads", "k_loop", "k_head_mask")})
         eps, offset, casting = _norm_facts(f, flags)
         tag = f"d{g['head_dim']}_r{g['rotary_dim']}_q{g['n_q_heads']}k{g['n_kv_heads']}_{casting}"
-        return {"dtype": dtype, **g, "eps": eps, "offset": offset, "casting": casting,
+        return {"dtype": dtype, **g, "eps": eps, "offset": offset, "casting": casting, **QK_TUNING,
+                "q_heads_pad": next_pow2(g["n_q_heads"]), "k_heads_pad": next_pow2(g["n_kv_heads"]),
                 "bwd_programs_per_sm": int(resolve_auto(flags, "bwd_programs_per_sm", BWD_PROGRAMS_PER_SM)),
                 "bwd_warps": int(resolve_auto(flags, "bwd_warps", gb["num_warps"])), "target": target, "tag": tag}
 
