@@ -1,12 +1,14 @@
-"""Kernel variants of RMSNorm and the GLUs (issue 15 item 4), checked and timed in ONE GPU call.
+"""Kernel variants of RMSNorm, the GLUs (issue 15 item 4) and qk-norm+RoPE, checked and timed in ONE GPU call.
 
-    python3 bench/kern_sweep.py                          # GPU: every op, <= --budget-s (80) seconds
+    python3 bench/kern_sweep.py                          # GPU: RMSNorm and the GLUs, <= --budget-s (80) seconds
     python3 bench/kern_sweep.py --ops rmsnorm --only default,atomic,atomic_prefetch
+    python3 bench/kern_sweep.py --ops qk_norm_rope,qk_norm_rope_q32 --budget-s 50 --compile no
+                                                         # fused_qk_norm_rope at 16x2048 tokens, 16/8 and 32/8 heads
     python3 bench/kern_sweep.py --device cpu --tiny      # CPU smoke run (interpreter; times mean nothing)
 
 Each variant is the op's generated module with some template parameters replaced (the knobs are
 documented where their defaults live: ``RMS_TUNING`` in patchdsl/ops/rmsnorm.py, ``GLU_TUNING``
-and ``glu_config`` in patchdsl/ops/swiglu.py), built from the KernelKey a real model gets at the
+and ``glu_config`` in patchdsl/ops/swiglu.py, ``QK_TUNING`` in patchdsl/ops/qk_norm_rope.py), built from the KernelKey a real model gets at the
 issue's shape (``runner.plan_key``), then:
 
 * checked: one forward + backward on seeded random inputs against the float64 reference of
@@ -24,8 +26,8 @@ two launch shapes).  The "floor" column is the sum of the floors of the op's for
 mixes at its sizes; ``torch.compile`` of the HF function is timed last when the budget leaves
 room (``--compile`` forces it, ``--no-compile`` skips it).
 
-For RMSNorm, whose forward and backward are separate kernels, the best forward launch and the
-best backward scheme are also combined into one more variant (``combo``) and timed.
+For RMSNorm and qk-norm+RoPE, whose forward and backward are separate kernels, the best forward
+launch and the best backward scheme are also combined into one more variant (``combo``) and timed.
 
 Prints one table per op and the winner of each, last; writes ``kern_sweep.json`` (every number)
 and ``kern_sweep.txt`` (the tables) to ``--out`` or ``$PART_OUT`` (default ``bench/results/kern_sweep``).
@@ -130,15 +132,67 @@ SWIGLU = [
     Variant("flat_2048_w8", _flat(2048, 8), "flat, 2048/program, 8 warps"),
     Variant("flat_4096_w8", _flat(4096, 8), "flat, 4096/program, 8 warps"),
 ]
-VARIANTS = {"rmsnorm": RMS, "geglu": GEGLU, "swiglu": SWIGLU}
+
+
+def _qk_bwd(tokens: int, warps: int, pps: int) -> dict:
+    return {"bwd_layout": "block", "bwd_tokens": tokens, "bwd_warps": warps, "bwd_programs_per_sm": pps}
+
+
+def _qk_fwd(tokens: int, warps: int) -> dict:
+    return {"fwd_layout": "block", "fwd_tokens": tokens, "num_warps": warps}
+
+
+# fused_qk_norm_rope (``QK_TUNING`` in patchdsl/ops/qk_norm_rope.py): "block" = (tokens x all heads x
+# half) tiles, the backward's dW terms accumulated in fp32 tiles and reduced once per program
+QK = [
+    Variant("default", {}, "shipped: fwd a program per token, heads in one tile; bwd token by token, 4-head tiles, "
+            "16 programs/SM, 2 warps"),
+    Variant("bwd_t2_w4_p4", _qk_bwd(2, 4, 4), "bwd block: 2 tokens x all heads per step, 4 warps, 4 programs/SM", "bwd"),
+    Variant("bwd_t1_w4_p8", _qk_bwd(1, 4, 8), "bwd block: 1 token x all heads, 4 warps, 8 programs/SM", "bwd"),
+    Variant("fwd_t2_w4", _qk_fwd(2, 4), "fwd block: 2 tokens x all heads per program, 4 warps", "fwd"),
+    Variant("bwd_t2_w8_p4", _qk_bwd(2, 8, 4), "bwd block: 2 tokens, 8 warps, 4 programs/SM", "bwd"),
+    Variant("bwd_t1_w2_p16", _qk_bwd(1, 2, 16), "bwd block: 1 token, 2 warps, 16 programs/SM", "bwd"),
+    Variant("fwd_t4_w8", _qk_fwd(4, 8), "fwd block: 4 tokens per program, 8 warps", "fwd"),
+    Variant("bwd_t4_w8_p2", _qk_bwd(4, 8, 2), "bwd block: 4 tokens, 8 warps, 2 programs/SM", "bwd"),
+    Variant("bwd_t2_w4_p8", _qk_bwd(2, 4, 8), "bwd block: 2 tokens, 4 warps, 8 programs/SM", "bwd"),
+    Variant("fwd_t1_w4", _qk_fwd(1, 4), "fwd block: 1 token per program, 4 warps", "fwd"),
+    Variant("bwd_t1_w4_p16", _qk_bwd(1, 4, 16), "bwd block: 1 token, 4 warps, 16 programs/SM", "bwd"),
+    Variant("bwd_t4_w4_p4", _qk_bwd(4, 4, 4), "bwd block: 4 tokens, 4 warps, 4 programs/SM", "bwd"),
+    Variant("fwd_t2_w8", _qk_fwd(2, 8), "fwd block: 2 tokens per program, 8 warps", "fwd"),
+    Variant("bwd_t1_w8_p4", _qk_bwd(1, 8, 4), "bwd block: 1 token, 8 warps, 4 programs/SM", "bwd"),
+    Variant("bwd_pps32", {"bwd_programs_per_sm": 32}, "per_token bwd, 32 programs/SM", "bwd"),
+    Variant("fwd_tpp2", {"tokens_per_program": 2}, "per_token fwd, 2 tokens per program (looped)", "fwd"),
+]
+VARIANTS = {"rmsnorm": RMS, "geglu": GEGLU, "swiglu": SWIGLU, "qk_norm_rope": QK, "qk_norm_rope_q32": QK}
+# sweep entries that are another shape of a family
+FAMILY = {"qk_norm_rope_q32": "qk_norm_rope"}
+# the forward launch's template parameters, for the combined best-forward + best-backward variant
+FWD_KEYS = {"rmsnorm": ("ROWS", "num_warps"), "qk_norm_rope": ("fwd_layout", "fwd_tokens", "num_warps", "tokens_per_program"),
+            "qk_norm_rope_q32": ("fwd_layout", "fwd_tokens", "num_warps", "tokens_per_program")}
 # The op's kernels as read:write mixes per element of its (tokens x width) tensors: (floor, count).
 MIXES = {"rmsnorm": {"fwd": [("copy", 1)], "bwd": [("add", 1)]},
          "geglu": {"fwd": [("add", 1)], "bwd": [("rw32", 1)]},
-         "swiglu": {"fwd": [("add", 1)], "bwd": [("rw32", 1)]}}
+         "swiglu": {"fwd": [("add", 1)], "bwd": [("rw32", 1)]},
+         # fwd reads q, k and writes them (1:1); bwd reads dq, dk, q, k and writes dq, dk (2:1);
+         # rstd and cos/sin (~3%) are left out of the floor
+         "qk_norm_rope": {"fwd": [("copy", 1)], "bwd": [("add", 1)]},
+         "qk_norm_rope_q32": {"fwd": [("copy", 1)], "bwd": [("add", 1)]}}
 SHAPES = {"rmsnorm": {"tokens": 16384, "hidden": 1024}, "geglu": {"tokens": 16384, "intermediate": 6912},
-          "swiglu": {"tokens": 16384, "intermediate": 3072}}
+          "swiglu": {"tokens": 16384, "intermediate": 3072},
+          # one Qwen3-0.6B training step's tokens (16 x 2048); Qwen3-4B/8B heads
+          "qk_norm_rope": {"batch": 16, "seq": 2048, "q_heads": 16, "kv_heads": 8, "head_dim": 128,
+                           "label": "16x2048 q16/kv8 d128"},
+          "qk_norm_rope_q32": {"batch": 16, "seq": 2048, "q_heads": 32, "kv_heads": 8, "head_dim": 128,
+                               "label": "16x2048 q32/kv8 d128"}}
 EST_S = 2.5          # a variant's compile + check + timing on the GPU, for the budget
-SHARE = {"rmsnorm": 0.45, "geglu": 0.4, "swiglu": 0.15}    # of the budget, by op
+SHARE = {"rmsnorm": 0.45, "geglu": 0.4, "swiglu": 0.15, "qk_norm_rope": 0.6, "qk_norm_rope_q32": 0.4}    # of the budget
+
+
+def elements(name: str, shape: Mapping[str, Any]) -> int:
+    """Elements of the op's streamed tensors (the floors' size): tokens x width, or q and k."""
+    if "head_dim" in shape:
+        return int(shape["batch"]) * int(shape["seq"]) * (int(shape["q_heads"]) + int(shape["kv_heads"])) * int(shape["head_dim"])
+    return int(shape["tokens"]) * int(shape.get("hidden") or shape["intermediate"])
 
 
 # ----------------------------------------------------------------------------- floors
@@ -242,7 +296,7 @@ def run_op(name: str, variants: list[Variant], shape: dict, a: argparse.Namespac
     from patchdsl.codegen import KernelKey, load_kernel, target
     from patchdsl.ops.registry import get_op
 
-    fam = families()[name]
+    fam = families()[FAMILY.get(name, name)]
     dev, dtype = a.device, a.dtype
     cuda = timing.is_cuda(dev)
     tgt = target()
@@ -259,7 +313,7 @@ def run_op(name: str, variants: list[Variant], shape: dict, a: argparse.Namespac
                            "auto_params": auto, "bytes": nb, "rotations": k, "rows": []}
     if floors:
         # the same element count as the op's tensors, the op's own read:write mixes
-        n = int(shape["tokens"]) * int(shape.get("hidden") or shape["intermediate"])
+        n = elements(name, shape)
         try:
             fl = doc["floors"] = measure_floors(n, torch_dtype(dtype), dev, ctx.l2_bytes, a.target_ms)
             per = {m: sum(fl[f]["ms"] * c for f, c in MIXES[name][m]) for m in ("fwd", "bwd")}
@@ -343,12 +397,12 @@ def run_op(name: str, variants: list[Variant], shape: dict, a: argparse.Namespac
         _log(a, f"{name} {doc['rows'][-1]['variant']}: {_brief(doc['rows'][-1])}")
 
     ok = [r for r in doc["rows"] if r.get("correct") and r.get("fwd_bwd_ms")]
-    if name == "rmsnorm" and ok and time.perf_counter() + EST_S <= t_end:
+    if name in FWD_KEYS and ok and time.perf_counter() + EST_S <= t_end:
         # the best forward launch with the best backward scheme (separate kernels: their times add)
         best_f = min((r for r in ok if r["part"] in ("fwd", "both")), key=lambda r: r["fwd_ms"], default=None)
         best_b = min((r for r in ok if r["part"] in ("bwd", "both")), key=lambda r: r["bwd_ms"], default=None)
         if best_f and best_b and best_f is not best_b:
-            fwd_keys = ("ROWS", "num_warps")
+            fwd_keys = FWD_KEYS[name]
             params = {**auto, **best_b["over"], **{kk: v for kk, v in best_f["over"].items() if kk in fwd_keys}}
             over = {kk: v for kk, v in params.items() if auto.get(kk) != v}
             if all(r.get("over") != over for r in doc["rows"] if r["status"] == "ok"):   # a new kernel
@@ -502,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                            "ops": [], "complete": False}
     if cuda:
         doc["env"]["gpu"] = torch.cuda.get_device_name()
-    shapes = {o: (fams[o].tiny[0] if a.tiny else SHAPES[o]) for o in ops}
+    shapes = {o: (fams[FAMILY.get(o, o)].tiny[0] if a.tiny else SHAPES[o]) for o in ops}
     bad = False
     json_path, txt_path = out_dir / "kern_sweep.json", out_dir / "kern_sweep.txt"
     share = {o: SHARE[o] for o in ops}
