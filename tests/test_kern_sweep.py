@@ -78,6 +78,26 @@ def test_a_wrong_variant_fails_the_run_and_never_wins(tmp_path, capsys, monkeypa
     assert "WRONG NUMBERS: broken, subtle" in out and "(worse than default: " in out
 
 
+def test_tiny_qk_norm_rope_sweep(tmp_path, capsys):
+    """fused_qk_norm_rope's block layouts: checked against float64 (outputs, dq, dk, both norm-weight
+    grads), the best forward and backward combined, the winner among correct variants."""
+    ks = _sweep()
+    rc = ks.main(["--device", "cpu", "--tiny", "--quiet", "--no-floors", "--ops", "qk_norm_rope", "--out", str(tmp_path),
+                  "--only", "bwd_t2_w4_p4,fwd_t2_w4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (d,) = json.loads((tmp_path / "kern_sweep.json").read_text())["ops"]
+    rows = {r["variant"]: r for r in d["rows"]}
+    assert set(rows) == {"default", "bwd_t2_w4_p4", "fwd_t2_w4", "combo"}
+    assert rows["bwd_t2_w4_p4"]["over"] == {"bwd_layout": "block", "bwd_tokens": 2, "bwd_warps": 4,
+                                            "bwd_programs_per_sm": 4}
+    assert rows["combo"]["over"] == {**rows["bwd_t2_w4_p4"]["over"], **rows["fwd_t2_w4"]["over"]}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["correct"], r
+        assert set(r["errs"]) == {"out:q", "out:k", "grad:q", "grad:k", "grad:q_weight", "grad:k_weight"}
+    assert "WINNER qk_norm_rope:" in out
+
+
 def test_unknown_op_is_an_error(capsys):
     ks = _sweep()
     with pytest.raises(SystemExit):
@@ -96,7 +116,7 @@ def test_every_variant_renders_for_the_gpu_at_the_issue_shapes():
     ks = _sweep()
     fams = families()
     for op, variants in ks.VARIANTS.items():
-        fam = fams[op]
+        fam = fams[ks.FAMILY.get(op, op)]
         key, _ = runner.plan_key(fam, get_op(fam.op), ks.SHAPES[op], "bf16", "cuda")
         auto = key.param_dict
         default_src = render(key)
