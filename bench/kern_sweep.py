@@ -143,27 +143,45 @@ def _qk_fwd(tokens: int, warps: int) -> dict:
 
 
 # fused_qk_norm_rope (``QK_TUNING`` in patchdsl/ops/qk_norm_rope.py): "block" = (tokens x all heads x
-# half) tiles, the backward's dW terms accumulated in fp32 tiles and reduced once per program
+# half) tiles, every load of a step issued before the first reduction, the backward's dW terms
+# accumulated in fp32 tiles and reduced once per program.  The backward grid is persistent, so its
+# programs per SM are set to what fits at once (registers per thread from ptxas -v for sm_90 at
+# these shapes, 64K registers per SM) or to whole multiples of it: one more program than fits runs
+# as a second wave on its own.  Shipped default at 16 q heads: 115 registers x 2 warps, 8 resident of
+# 16 per SM (two waves), each with one 4-head tile (2 KB) of loads in flight: ~16 KB per SM.
 QK = [
     Variant("default", {}, "shipped: fwd a program per token, heads in one tile; bwd token by token, 4-head tiles, "
             "16 programs/SM, 2 warps"),
-    Variant("bwd_t2_w4_p4", _qk_bwd(2, 4, 4), "bwd block: 2 tokens x all heads per step, 4 warps, 4 programs/SM", "bwd"),
-    Variant("bwd_t1_w4_p8", _qk_bwd(1, 4, 8), "bwd block: 1 token x all heads, 4 warps, 8 programs/SM", "bwd"),
-    Variant("fwd_t2_w4", _qk_fwd(2, 4), "fwd block: 2 tokens x all heads per program, 4 warps", "fwd"),
-    Variant("bwd_t2_w8_p4", _qk_bwd(2, 8, 4), "bwd block: 2 tokens, 8 warps, 4 programs/SM", "bwd"),
-    Variant("bwd_t1_w2_p16", _qk_bwd(1, 2, 16), "bwd block: 1 token, 2 warps, 16 programs/SM", "bwd"),
-    Variant("fwd_t4_w8", _qk_fwd(4, 8), "fwd block: 4 tokens per program, 8 warps", "fwd"),
-    Variant("bwd_t4_w8_p2", _qk_bwd(4, 8, 2), "bwd block: 4 tokens, 8 warps, 2 programs/SM", "bwd"),
-    Variant("bwd_t2_w4_p8", _qk_bwd(2, 4, 8), "bwd block: 2 tokens, 4 warps, 8 programs/SM", "bwd"),
-    Variant("fwd_t1_w4", _qk_fwd(1, 4), "fwd block: 1 token per program, 4 warps", "fwd"),
-    Variant("bwd_t1_w4_p16", _qk_bwd(1, 4, 16), "bwd block: 1 token, 4 warps, 16 programs/SM", "bwd"),
-    Variant("bwd_t4_w4_p4", _qk_bwd(4, 4, 4), "bwd block: 4 tokens, 4 warps, 4 programs/SM", "bwd"),
+    Variant("bwd_t1_w4_p3", _qk_bwd(1, 4, 3), "bwd block: 1 token x all heads per step, 4 warps (158 regs: 3 fit/SM, "
+            "36 KB in flight)", "bwd"),
+    Variant("bwd_t2_w4_p2", _qk_bwd(2, 4, 2), "bwd block: 2 tokens, 4 warps (254 regs: 2 fit, 48 KB)", "bwd"),
+    Variant("fwd_t2_w4", _qk_fwd(2, 4), "fwd block: 2 tokens x all heads per program, 4 warps (96 regs)", "fwd"),
+    Variant("bwd_t1_w2_p4", _qk_bwd(1, 2, 4), "bwd block: 1 token, 2 warps (247 regs: 4 fit, 48 KB)", "bwd"),
+    Variant("bwd_t1_w8_p2", _qk_bwd(1, 8, 2), "bwd block: 1 token, 8 warps (96 regs: 2 fit, 24 KB)", "bwd"),
+    Variant("fwd_t4_w8", _qk_fwd(4, 8), "fwd block: 4 tokens per program, 8 warps (100 regs)", "fwd"),
+    Variant("bwd_t1_w4_p12", _qk_bwd(1, 4, 12), "bwd block: 1 token, 4 warps, 4 waves of 3/SM", "bwd"),
+    Variant("bwd_t4_w8_p1", _qk_bwd(4, 8, 1), "bwd block: 4 tokens, 8 warps (1 fits, 48 KB)", "bwd"),
+    Variant("fwd_t1_w4", _qk_fwd(1, 4), "fwd block: 1 token per program, 4 warps (56 regs)", "fwd"),
+    Variant("bwd_t2_w4_p8", _qk_bwd(2, 4, 8), "bwd block: 2 tokens, 4 warps, 4 waves of 2/SM", "bwd"),
     Variant("fwd_t2_w8", _qk_fwd(2, 8), "fwd block: 2 tokens per program, 8 warps", "fwd"),
-    Variant("bwd_t1_w8_p4", _qk_bwd(1, 8, 4), "bwd block: 1 token, 8 warps, 4 programs/SM", "bwd"),
-    Variant("bwd_pps32", {"bwd_programs_per_sm": 32}, "per_token bwd, 32 programs/SM", "bwd"),
+    Variant("bwd_t2_w8_p1", _qk_bwd(2, 8, 1), "bwd block: 2 tokens, 8 warps (171 regs: 1 fits, 24 KB)", "bwd"),
+    Variant("bwd_pps32", {"bwd_programs_per_sm": 32}, "per_token bwd, 32 programs/SM (4 waves of 8)", "bwd"),
     Variant("fwd_tpp2", {"tokens_per_program": 2}, "per_token fwd, 2 tokens per program (looped)", "fwd"),
 ]
-VARIANTS = {"rmsnorm": RMS, "geglu": GEGLU, "swiglu": SWIGLU, "qk_norm_rope": QK, "qk_norm_rope_q32": QK}
+# 32 q heads (Qwen3-4B/8B): a step is 20 KB of loads per token; the registers double with the q tile
+QK32 = [
+    QK[0],
+    Variant("bwd_t1_w4_p2", _qk_bwd(1, 4, 2), "bwd block: 1 token x all heads, 4 warps (231 regs: 2 fit, 40 KB)", "bwd"),
+    Variant("bwd_t1_w16_p1", _qk_bwd(1, 16, 1), "bwd block: 1 token, 16 warps (97 regs: 1 fits, 20 KB)", "bwd"),
+    Variant("fwd_t2_w8", _qk_fwd(2, 8), "fwd block: 2 tokens per program, 8 warps (120 regs)", "fwd"),
+    Variant("bwd_t2_w8_p1", _qk_bwd(2, 8, 1), "bwd block: 2 tokens, 8 warps (224 regs: 1 fits, 40 KB)", "bwd"),
+    Variant("bwd_t1_w4_p8", _qk_bwd(1, 4, 8), "bwd block: 1 token, 4 warps, 4 waves of 2/SM", "bwd"),
+    Variant("fwd_t1_w8", _qk_fwd(1, 8), "fwd block: 1 token per program, 8 warps (64 regs)", "fwd"),
+    Variant("bwd_t1_w8_p1", _qk_bwd(1, 8, 1), "bwd block: 1 token, 8 warps (151 regs: 1 fits, 20 KB)", "bwd"),
+    Variant("fwd_t2_w4", _qk_fwd(2, 4), "fwd block: 2 tokens per program, 4 warps", "fwd"),
+    Variant("bwd_pps32", {"bwd_programs_per_sm": 32}, "per_token bwd, 32 programs/SM", "bwd"),
+]
+VARIANTS = {"rmsnorm": RMS, "geglu": GEGLU, "swiglu": SWIGLU, "qk_norm_rope": QK, "qk_norm_rope_q32": QK32}
 # sweep entries that are another shape of a family
 FAMILY = {"qk_norm_rope_q32": "qk_norm_rope"}
 # the forward launch's template parameters, for the combined best-forward + best-backward variant

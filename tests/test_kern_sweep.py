@@ -83,15 +83,16 @@ def test_tiny_qk_norm_rope_sweep(tmp_path, capsys):
     grads), the best forward and backward combined, the winner among correct variants."""
     ks = _sweep()
     rc = ks.main(["--device", "cpu", "--tiny", "--quiet", "--no-floors", "--ops", "qk_norm_rope", "--out", str(tmp_path),
-                  "--only", "bwd_t2_w4_p4,fwd_t2_w4"])
+                  "--only", "bwd_t2_w4_p2,fwd_t2_w4"])
     out = capsys.readouterr().out
     assert rc == 0, out
     (d,) = json.loads((tmp_path / "kern_sweep.json").read_text())["ops"]
     rows = {r["variant"]: r for r in d["rows"]}
-    assert set(rows) == {"default", "bwd_t2_w4_p4", "fwd_t2_w4", "combo"}
-    assert rows["bwd_t2_w4_p4"]["over"] == {"bwd_layout": "block", "bwd_tokens": 2, "bwd_warps": 4,
-                                            "bwd_programs_per_sm": 4}
-    assert rows["combo"]["over"] == {**rows["bwd_t2_w4_p4"]["over"], **rows["fwd_t2_w4"]["over"]}
+    assert {"default", "bwd_t2_w4_p2", "fwd_t2_w4"} <= set(rows) <= {"default", "bwd_t2_w4_p2", "fwd_t2_w4", "combo"}
+    assert rows["bwd_t2_w4_p2"]["over"] == {"bwd_layout": "block", "bwd_tokens": 2, "bwd_warps": 4,
+                                            "bwd_programs_per_sm": 2}
+    if "combo" in rows:     # (which forward and backward are fastest on the interpreter is noise)
+        assert rows["combo"]["over"] == {**rows["bwd_t2_w4_p2"]["over"], **rows["fwd_t2_w4"]["over"]}
     for r in rows.values():
         assert r["status"] == "ok" and r["correct"], r
         assert set(r["errs"]) == {"out:q", "out:k", "grad:q", "grad:k", "grad:q_weight", "grad:k_weight"}
