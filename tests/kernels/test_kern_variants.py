@@ -5,7 +5,10 @@ ones), so a variant the sweep picks as the winner is already known to compute th
 * fused_rmsnorm: dW reduced by atomics + a last-program ticket (``dw_reduce=atomic``) and its
   deterministic fallback, the backward's register prefetch and software pipelining, eviction
   hints, other tile shapes;
-* fused_swiglu / fused_geglu: the flat layout (``glu_layout=flat``), eviction hints, in place.
+* fused_swiglu / fused_geglu: the flat layout (``glu_layout=flat``), eviction hints, in place;
+* fused_qk_norm_rope: the "block" forward and backward layouts (tokens x all heads x half tiles,
+  the backward's dW terms accumulated per program), with masked heads, partial rotary, cos/sin per
+  batch, token tails and more programs than token tiles.
 """
 
 from __future__ import annotations
@@ -301,3 +304,73 @@ def test_rmsnorm_atomic_custom_ops_pass_opcheck(over):
     _, rstd = k.rmsnorm_forward_op(x, w)
     res = torch.library.opcheck(k.rmsnorm_backward_op, (dy, x, w, rstd))
     assert all(v == "SUCCESS" for v in res.values()), res
+
+
+# ------------------------------------------------------------------------------------------ qk-norm + RoPE
+QK_VARIANTS = {
+    "bwd_t1_w4_p3": {"bwd_layout": "block", "bwd_tokens": 1, "bwd_warps": 4, "bwd_programs_per_sm": 3},
+    "fwd_t2_bwd_t4": {"fwd_layout": "block", "fwd_tokens": 2, "num_warps": 4, "bwd_layout": "block", "bwd_tokens": 4},
+    "fwd_t4_w8_bwd_t2_w8": {"fwd_layout": "block", "fwd_tokens": 4, "num_warps": 8, "bwd_layout": "block",
+                            "bwd_tokens": 2, "bwd_warps": 8, "bwd_programs_per_sm": 1},
+}
+# (batch, seq, q heads, kv heads, head_dim, rotary_dim, cos batch): powers of two, 10 tokens over the
+# interpreter's 4 backward programs (token tiles cut at program ends); 5/3 heads (padded to 8/4) with
+# partial rotary (half 24 of 32, 16 passed through) and cos per batch; seq 1 (3 tokens, fewer than a
+# 4-token tile); head_dim 32 with rotary 20 (both the half and the passed part masked)
+QK_SHAPES = sizes(cpu=[(2, 5, 4, 2, 64, 64, 1), (2, 3, 5, 3, 64, 48, 2), (3, 1, 4, 2, 64, 64, 3), (1, 3, 3, 1, 32, 20, 1)],
+                  gpu=[(16, 2048, 16, 8, 128, 128, 1), (4, 999, 32, 8, 128, 128, 1), (2, 333, 5, 3, 128, 96, 2),
+                       (64, 1, 32, 8, 128, 128, 64)])
+QK_MODES = [("bf16", "llama", 0.0), ("fp32", "gemma", 1.0)]
+
+
+def _qk():
+    from . import test_qk_norm_rope as t
+    return t
+
+
+@pytest.mark.parametrize("shape", QK_SHAPES, ids=lambda c: "b{}s{}q{}k{}d{}r{}c{}".format(*c))
+@pytest.mark.parametrize("dtype,casting,offset", QK_MODES)
+@pytest.mark.parametrize("name", list(QK_VARIANTS))
+def test_qk_norm_rope_variant_vs_float64(name, dtype, casting, offset, shape):
+    t = _qk()
+    b, s, nq, nk, d, r, cb = shape
+    k, _, _ = variant("fused_qk_norm_rope", "Attention", t.facts(d, r, nq, nk, offset, casting), dtype, QK_VARIANTS[name])
+    x = t.inputs(b, s, nq, nk, d, r, dtype, seed=b * s + nq, cos_batch=cb)
+    ref = t.ref64(*x, offset, casting)
+    out = t.run(k, *x)
+    assert out[0].shape == x[0].shape and out[0].dtype == x[0].dtype and out[4].shape == (d,)
+    for o, rr, what in zip(out, ref, ("q_out", "k_out", "dq", "dk", "d_q_norm.weight", "d_k_norm.weight")):
+        assert_close(o, rr, dtype, what)
+
+
+def test_qk_norm_rope_block_source():
+    """The block kernels: one (tokens x heads x half) tile per step, no head loop, dW terms in fp32
+    tiles summed once after the loop, every load of a step before its first reduction, only
+    constexpr globals read in the kernels (what the GPU compiler demands)."""
+    from .helpers import assert_kernel_globals_constexpr
+
+    t = _qk()
+    k, p, src = variant("fused_qk_norm_rope", "Attention", t.facts(128, 128, 16, 8), "bf16",
+                        QK_VARIANTS["fwd_t2_bwd_t4"])
+    fwd = src[src.index("def qk_norm_rope_fwd_"):src.index("def qk_norm_rope_bwd_")]
+    bwd = src[src.index("def qk_norm_rope_bwd_"):src.index("def _tokens")]
+    assert "for h0" not in fwd + bwd and "hmq3" not in fwd + bwd and "x1_k = tl.load(" in fwd
+    assert "acc_q1 = tl.zeros([BWD_TOKENS, 16, HALF_PAD]" in bwd and "acc_k2 = tl.zeros([BWD_TOKENS, 8, HALF_PAD]" in bwd
+    loop, tail = bwd.split("for i in range(0, tokens_per_prog, BWD_TOKENS):")[1].split("tl.store(DWQ_PARTIAL")[:2]
+    assert "axis=0" not in loop and "tl.sum(tl.sum(acc_q1, axis=0), axis=0)" in "tl.store(DWQ_PARTIAL" + tail
+    assert loop.index("r_k = tl.load(") < loop.index("tl.sum(")
+    assert "per_prog = cdiv(per_prog, 4) * 4" in src and "grid = (cdiv(n_tokens, 2),)" in src
+    assert_kernel_globals_constexpr(k, min_kernels=2)
+    # padded heads get a mask; the shipped (per_token) kernels are untouched by the new parameters
+    _, _, masked = variant("fused_qk_norm_rope", "Attention", t.facts(64, 48, 5, 3), "bf16", QK_VARIANTS["fwd_t2_bwd_t4"])
+    assert "hmq3 = hq3 < 5" in masked and "hq = tl.arange(0, 8)" in masked and "hk = tl.arange(0, 4)" in masked
+    _, _, shipped = variant("fused_qk_norm_rope", "Attention", t.facts(128, 128, 16, 8), "bf16", {})
+    assert "acc_q1" not in shipped and "dwq1 += tl.sum(" in shipped
+
+
+@pytest.mark.parametrize("over,what", [({"bwd_layout": "rows"}, "bwd_layout"), ({"fwd_layout": "tiles"}, "fwd_layout")])
+def test_qk_norm_rope_unknown_layout_is_refused(over, what):
+    from patchdsl.codegen import CodegenError
+
+    with pytest.raises(CodegenError, match=what):
+        variant("fused_qk_norm_rope", "Attention", _qk().facts(64, 64, 4, 2), "fp32", over)
