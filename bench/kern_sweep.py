@@ -134,8 +134,9 @@ SWIGLU = [
 ]
 
 
-def _qk_bwd(tokens: int, warps: int, pps: int) -> dict:
-    return {"bwd_layout": "block", "bwd_tokens": tokens, "bwd_warps": warps, "bwd_programs_per_sm": pps}
+def _qk_bwd(tokens: int, warps: int, pps: int, prefetch: bool = False) -> dict:
+    return {"bwd_layout": "block", "bwd_tokens": tokens, "bwd_warps": warps, "bwd_programs_per_sm": pps,
+            **({"bwd_prefetch": True} if prefetch else {})}
 
 
 def _qk_fwd(tokens: int, warps: int) -> dict:
@@ -156,9 +157,12 @@ QK = [
             "36 KB in flight)", "bwd"),
     Variant("bwd_t2_w4_p2", _qk_bwd(2, 4, 2), "bwd block: 2 tokens, 4 warps (254 regs: 2 fit, 48 KB)", "bwd"),
     Variant("fwd_t2_w4", _qk_fwd(2, 4), "fwd block: 2 tokens x all heads per program, 4 warps (96 regs)", "fwd"),
+    Variant("bwd_t1_w8_p2_pf", _qk_bwd(1, 8, 2, True), "bwd block, next step's loads before this step's math: "
+            "1 token, 8 warps (128 regs: 2 fit, 24 KB always in flight)", "bwd"),
     Variant("bwd_t1_w2_p4", _qk_bwd(1, 2, 4), "bwd block: 1 token, 2 warps (247 regs: 4 fit, 48 KB)", "bwd"),
     Variant("bwd_t1_w8_p2", _qk_bwd(1, 8, 2), "bwd block: 1 token, 8 warps (96 regs: 2 fit, 24 KB)", "bwd"),
     Variant("fwd_t4_w8", _qk_fwd(4, 8), "fwd block: 4 tokens per program, 8 warps (100 regs)", "fwd"),
+    Variant("bwd_t1_w4_p2_pf", _qk_bwd(1, 4, 2, True), "bwd block, prefetch: 1 token, 4 warps (230 regs: 2 fit)", "bwd"),
     Variant("bwd_t1_w4_p12", _qk_bwd(1, 4, 12), "bwd block: 1 token, 4 warps, 4 waves of 3/SM", "bwd"),
     Variant("bwd_t4_w8_p1", _qk_bwd(4, 8, 1), "bwd block: 4 tokens, 8 warps (1 fits, 48 KB)", "bwd"),
     Variant("fwd_t1_w4", _qk_fwd(1, 4), "fwd block: 1 token per program, 4 warps (56 regs)", "fwd"),
@@ -174,6 +178,8 @@ QK32 = [
     Variant("bwd_t1_w4_p2", _qk_bwd(1, 4, 2), "bwd block: 1 token x all heads, 4 warps (231 regs: 2 fit, 40 KB)", "bwd"),
     Variant("bwd_t1_w16_p1", _qk_bwd(1, 16, 1), "bwd block: 1 token, 16 warps (97 regs: 1 fits, 20 KB)", "bwd"),
     Variant("fwd_t2_w8", _qk_fwd(2, 8), "fwd block: 2 tokens per program, 8 warps (120 regs)", "fwd"),
+    Variant("bwd_t1_w16_p1_pf", _qk_bwd(1, 16, 1, True), "bwd block, prefetch: 1 token, 16 warps (128 regs: 1 fits, "
+            "20 KB always in flight)", "bwd"),
     Variant("bwd_t2_w8_p1", _qk_bwd(2, 8, 1), "bwd block: 2 tokens, 8 warps (224 regs: 1 fits, 40 KB)", "bwd"),
     Variant("bwd_t1_w4_p8", _qk_bwd(1, 4, 8), "bwd block: 1 token, 4 warps, 4 waves of 2/SM", "bwd"),
     Variant("fwd_t1_w8", _qk_fwd(1, 8), "fwd block: 1 token per program, 8 warps (64 regs)", "fwd"),

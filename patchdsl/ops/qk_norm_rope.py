@@ -51,7 +51,10 @@ CUDA_BWD_BLOCK = 256
 #               ``bwd_block`` (adding each tile's dW terms across threads every step); block: it walks
 #               them ``bwd_tokens`` at a time in one (tokens x all heads x half) tile, the dW terms
 #               accumulated in fp32 tiles and reduced once per program
-QK_TUNING = {"fwd_layout": "per_token", "fwd_tokens": 1, "bwd_layout": "per_token", "bwd_tokens": 1}
+#   bwd_prefetch  block backward only: the next step's loads are issued before this step's arithmetic
+#               (software pipelining by hand: twice the loaded values live in registers)
+QK_TUNING = {"fwd_layout": "per_token", "fwd_tokens": 1, "bwd_layout": "per_token", "bwd_tokens": 1,
+             "bwd_prefetch": False}
 
 
 class FusedQKNormRope(Op):

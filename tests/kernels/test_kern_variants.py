@@ -7,6 +7,7 @@ ones), so a variant the sweep picks as the winner is already known to compute th
   hints, other tile shapes;
 * fused_swiglu / fused_geglu: the flat layout (``glu_layout=flat``), eviction hints, in place;
 * fused_qk_norm_rope: the "block" forward and backward layouts (tokens x all heads x half tiles,
+  the backward optionally software pipelined,
   the backward's dW terms accumulated per program), with masked heads, partial rotary, cos/sin per
   batch, token tails and more programs than token tiles.
 """
@@ -310,8 +311,8 @@ def test_rmsnorm_atomic_custom_ops_pass_opcheck(over):
 QK_VARIANTS = {
     "bwd_t1_w4_p3": {"bwd_layout": "block", "bwd_tokens": 1, "bwd_warps": 4, "bwd_programs_per_sm": 3},
     "fwd_t2_bwd_t4": {"fwd_layout": "block", "fwd_tokens": 2, "num_warps": 4, "bwd_layout": "block", "bwd_tokens": 4},
-    "fwd_t4_w8_bwd_t2_w8": {"fwd_layout": "block", "fwd_tokens": 4, "num_warps": 8, "bwd_layout": "block",
-                            "bwd_tokens": 2, "bwd_warps": 8, "bwd_programs_per_sm": 1},
+    "fwd_t4_w8_bwd_t2_w8_prefetch": {"fwd_layout": "block", "fwd_tokens": 4, "num_warps": 8, "bwd_layout": "block",
+                                     "bwd_tokens": 2, "bwd_warps": 8, "bwd_programs_per_sm": 1, "bwd_prefetch": True},
 }
 # (batch, seq, q heads, kv heads, head_dim, rotary_dim, cos batch): powers of two, 10 tokens over the
 # interpreter's 4 backward programs (token tiles cut at program ends); 5/3 heads (padded to 8/4) with
@@ -364,6 +365,12 @@ def test_qk_norm_rope_block_source():
     # padded heads get a mask; the shipped (per_token) kernels are untouched by the new parameters
     _, _, masked = variant("fused_qk_norm_rope", "Attention", t.facts(64, 48, 5, 3), "bf16", QK_VARIANTS["fwd_t2_bwd_t4"])
     assert "hmq3 = hq3 < 5" in masked and "hq = tl.arange(0, 8)" in masked and "hk = tl.arange(0, 4)" in masked
+    # prefetch: the next step's loads (masked at this program's last token) before this step's math
+    _, _, pf = variant("fused_qk_norm_rope", "Attention", t.facts(128, 128, 16, 8), "bf16",
+                       QK_VARIANTS["fwd_t4_w8_bwd_t2_w8_prefetch"])
+    loop = pf[pf.index("for i in range(0, tokens_per_prog, BWD_TOKENS):"):pf.index("tl.store(DWQ_PARTIAL")]
+    assert "lim = tl.minimum(start + tokens_per_prog, n_tokens)" in pf and "tm = tok < lim" in loop
+    assert loop.index("cur_dy1_q = dy1_q") < loop.index("dy1_q = tl.load(") < loop.index("dn1 = cur_dy1_q * cur_c1")
     _, _, shipped = variant("fused_qk_norm_rope", "Attention", t.facts(128, 128, 16, 8), "bf16", {})
     assert "acc_q1" not in shipped and "dwq1 += tl.sum(" in shipped
 
