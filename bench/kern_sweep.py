@@ -2,7 +2,7 @@
 
     python3 bench/kern_sweep.py                          # GPU: RMSNorm and the GLUs, <= --budget-s (80) seconds
     python3 bench/kern_sweep.py --ops rmsnorm --only default,atomic,atomic_prefetch
-    python3 bench/kern_sweep.py --ops qk_norm_rope,qk_norm_rope_q32 --budget-s 50 --compile no
+    python3 bench/kern_sweep.py --ops qk_norm_rope,qk_norm_rope_q32 --budget-s 40 --target-ms 30 --compile no
                                                          # fused_qk_norm_rope at 16x2048 tokens, 16/8 and 32/8 heads
     python3 bench/kern_sweep.py --device cpu --tiny      # CPU smoke run (interpreter; times mean nothing)
 
