@@ -127,5 +127,7 @@ def test_every_variant_renders_for_the_gpu_at_the_issue_shapes():
             src = render(KernelKey.make(key.op, key.template, key.name, params))
             compile(src, f"<{op}:{v.name}>", "exec")
             assert (src == default_src) == (params == auto), (op, v.name)
+            if params == auto and v.name != "default":
+                continue     # what the planner now picks itself: the sweep reports "same kernel as default"
             assert src not in seen, f"{op}: {v.name} renders the same kernel as {seen.get(src)}"
             seen[src] = v.name
