@@ -114,7 +114,9 @@ RMS = [
     Variant("fwd_r1_w2", {"ROWS": 1, "num_warps": 2}, "fwd 1 row/program, 2 warps", "fwd"),
 ]
 GEGLU = [
-    Variant("default", {}, "shipped: a program per row, 2 tiles of 4096 (last masked), 8 warps"),
+    Variant("default", {}, "shipped: flat, 1024 elements/program, 4 warps (GLU_TUNING since the r3run2 sweep)"),
+    Variant("rows_4096_w8", _rows_block(4096, 8), "rows: a program per row, 2 tiles of 4096 (last masked), 8 warps "
+            "(the default before r3run2)"),
     Variant("flat_1024_w4", _flat(1024, 4), "flat, 1024 elements/program, 4 warps (Inductor's shape)"),
     Variant("flat_2048_w8", _flat(2048, 8), "flat, 2048/program, 8 warps"),
     Variant("flat_1024_w4_evict", _flat(1024, 4, True), "flat 1024/4 warps, evict_first"),
@@ -122,12 +124,14 @@ GEGLU = [
     Variant("flat_4096_w8", _flat(4096, 8), "flat, 4096/program, 8 warps"),
     Variant("flat_2048_w8_evict", _flat(2048, 8, True), "flat 2048/8 warps, evict_first"),
     Variant("flat_4096_w4", _flat(4096, 4), "flat, 4096/program, 4 warps"),
-    Variant("rows_evict", {"evict": True}, "rows, evict_first"),
+    Variant("rows_evict", lambda auto, shape: {**_rows_block(4096, 8)(auto, shape), "evict": True},
+            "rows 4096/8 warps, evict_first"),
     Variant("flat_8192_w8", _flat(8192, 8), "flat, 8192/program, 8 warps"),
     Variant("rows_2048_w4", _rows_block(2048, 4), "rows, 4 tiles of 2048 (last masked), 4 warps"),
 ]
 SWIGLU = [
-    Variant("default", {}, "shipped: 3072 in one masked block of 4096, 8 warps"),
+    Variant("default", {}, "shipped: flat, 1024 elements/program, 4 warps"),
+    Variant("rows_4096_w8", _rows_block(4096, 8), "rows: 3072 in one masked block of 4096, 8 warps (before r3run2)"),
     Variant("flat_1024_w4", _flat(1024, 4), "flat, 1024/program, 4 warps"),
     Variant("flat_2048_w8", _flat(2048, 8), "flat, 2048/program, 8 warps"),
     Variant("flat_4096_w8", _flat(4096, 8), "flat, 4096/program, 8 warps"),
