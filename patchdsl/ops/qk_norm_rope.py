@@ -56,6 +56,19 @@ CUDA_BWD_BLOCK = 256
 QK_TUNING = {"fwd_layout": "per_token", "fwd_tokens": 1, "bwd_layout": "per_token", "bwd_tokens": 1,
              "bwd_prefetch": False}
 
+# The CUDA backward (H200 sweep, bench/results/h200-2026-12-03-r3run4/qk, 32768 tokens, d128, bf16):
+# the block layout, one token x all heads per step, 4 warps, as many programs per SM as fit by
+# registers (bench/ptx_regs.py): 16 q / 8 kv heads 193.0 us (3 per SM) vs 308.7 shipped before;
+# 32 / 8 heads 332.7 us (2 per SM) vs 467.9.  A tile of more than 32 heads of 128 would spill: those
+# (and the interpreter) keep the per-token layout.
+CUDA_BWD_BLOCK_LAYOUT = {"bwd_layout": "block", "bwd_tokens": 1}
+CUDA_BWD_BLOCK_WARPS = 4
+BLOCK_MAX_HALF_ELEMS = 32 * 64          # q heads (padded) x rotary half in one tile
+
+
+def _block_bwd_programs_per_sm(q_heads_pad: int) -> int:
+    return 3 if q_heads_pad <= 16 else 2
+
 
 class FusedQKNormRope(Op):
     name = "fused_qk_norm_rope"
@@ -74,7 +87,8 @@ class FusedQKNormRope(Op):
     ) + ROPE_FLAGS + (
         FlagSpec("bwd_programs_per_sm", "int", "auto",
                  "backward: programs per SM of the persistent grid whose per-program fp32 rows hold the "
-                 "q_norm/k_norm weight-gradient partial sums; auto = 16", auto_ok=True, min=1, max=64),
+                 "q_norm/k_norm weight-gradient partial sums; auto = 16 for the per-token backward, 3 (<= 16 q heads) or 2 "
+                 "for the CUDA block backward (what fits by registers)", auto_ok=True, min=1, max=64),
         FlagSpec("bwd_block", "int", "auto",
                  "backward tile in elements (heads x rotary_dim/2, power of two), heads looped in tiles of that "
                  "size; auto = 256 on cuda (4 heads of 128, 2 warps: measured faster than all heads in one tile), the "
@@ -94,10 +108,16 @@ class FusedQKNormRope(Op):
                                               "k_block_heads", "k_loop", "k_head_mask")})
         eps, offset, casting = _norm_facts(f, flags)
         tag = f"d{g['head_dim']}_r{g['rotary_dim']}_q{g['n_q_heads']}k{g['n_kv_heads']}_{casting}"
-        return {"dtype": dtype, **g, "eps": eps, "offset": offset, "casting": casting, **QK_TUNING,
-                "q_heads_pad": next_pow2(g["n_q_heads"]), "k_heads_pad": next_pow2(g["n_kv_heads"]),
-                "bwd_programs_per_sm": int(resolve_auto(flags, "bwd_programs_per_sm", BWD_PROGRAMS_PER_SM)),
-                "bwd_warps": int(resolve_auto(flags, "bwd_warps", gb["num_warps"])), "target": target, "tag": tag}
+        q_pad = next_pow2(g["n_q_heads"])
+        tuning, pps, warps = dict(QK_TUNING), BWD_PROGRAMS_PER_SM, gb["num_warps"]
+        if (target != "interpreter" and flags.get("bwd_block", "auto") == "auto"
+                and q_pad * (g["rotary_dim"] // 2) <= BLOCK_MAX_HALF_ELEMS):
+            tuning.update(CUDA_BWD_BLOCK_LAYOUT)
+            pps, warps = _block_bwd_programs_per_sm(q_pad), CUDA_BWD_BLOCK_WARPS
+        return {"dtype": dtype, **g, "eps": eps, "offset": offset, "casting": casting, **tuning,
+                "q_heads_pad": q_pad, "k_heads_pad": next_pow2(g["n_kv_heads"]),
+                "bwd_programs_per_sm": int(resolve_auto(flags, "bwd_programs_per_sm", pps)),
+                "bwd_warps": int(resolve_auto(flags, "bwd_warps", warps)), "target": target, "tag": tag}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         return f"{self.name}_{params['dtype']}_{params['tag']}_{params['target']}"

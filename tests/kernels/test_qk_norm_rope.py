@@ -143,16 +143,32 @@ def test_casting_and_offset_change_the_code():
 
 
 def test_full_vs_partial_rotary_and_masks():
-    full, _ = source(128, 128, 16, 8)
-    part, _ = source(128, 96, 16, 8)
+    full, _ = source(128, 128, 16, 8, bwd_block=256)
+    part, _ = source(128, 96, 16, 8, bwd_block=256)
     fwd, bwd = full[full.index("def qk_norm_rope_fwd_"):full.index("def qk_norm_rope_bwd_")], \
         full[full.index("def qk_norm_rope_bwd_"):]
     assert "mask=" not in full and "x_pass" not in full and "for h0" not in fwd
-    # cuda backward: heads in 4-head tiles (the 16 q heads in 4 tiles, the 8 k heads in 2), no tail
+    # per-token cuda backward with bwd_block=256: heads in 4-head tiles (16 q heads in 4 tiles, 8 k heads in 2)
     assert "for h0 in range(0, 16, 4)" in bwd and "for h0 in range(0, 8, 4)" in bwd and "hm = " not in bwd
     one_tile, p = source(128, 128, 16, 8, bwd_block=4096)
     assert "for h0" not in one_tile and not p["bwd_q_loop"]
     assert "x_pass * x_pass" in part and "dwq_pass" in part and "dm = d < HALF" in part
+
+
+@pytest.mark.parametrize("nq,nk,target,bwd_block,layout,pps,warps", [
+    (16, 8, "cuda", "auto", "block", 3, 4),          # Qwen3-0.6B: the H200 sweep's winner
+    (32, 8, "cuda", "auto", "block", 2, 4),          # Qwen3-4B/8B
+    (64, 8, "cuda", "auto", "per_token", 16, None),  # a block tile of 64 heads would spill
+    (16, 8, "cuda", 256, "per_token", 16, None),     # an explicit bwd_block keeps the per-token layout
+    (16, 8, "interpreter", "auto", "per_token", 16, None),
+])
+def test_default_backward_layout(nq, nk, target, bwd_block, layout, pps, warps):
+    _, p = source(128, 128, nq, nk, target=target, bwd_block=bwd_block)
+    assert p["bwd_layout"] == layout and p["bwd_programs_per_sm"] == pps
+    if warps is not None:
+        assert p["bwd_warps"] == warps
+    _, over = source(128, 128, nq, nk, target=target, bwd_block=bwd_block, bwd_programs_per_sm=5)
+    assert over["bwd_programs_per_sm"] == 5
 
 
 def test_backward_tile_is_separate_from_the_forward():
