@@ -266,7 +266,7 @@ ALL_MUTATIONS = [
              (Edit(r"if label == IGNORE_INDEX:", "if label == IGNORE_INDEX + 1:", CE_ROW),),
              expect=("loss", "grad_input", "grad_weight")),
     Mutation("fused_linear_cross_entropy", "grad_w_first_chunk_only",
-             (Edit(r"^(\s*)if need_w:\n", r"\1if need_w and s == 0:\n", r"^def _chunks\("),),
+             (Edit(r"^(\s*)if need_w:\n", r"\1if need_w and i == 0:\n", r"^def _chunks\("),),
              dtype="fp32", expect=("grad_weight",)),
     Mutation("fused_linear_cross_entropy", "grad_not_divided_by_token_count",
              (Edit(r"^\s*g = g \* scale\n", "", CE_ROW),), expect=("grad_input", "grad_weight")),
@@ -297,7 +297,7 @@ ALL_MUTATIONS = [
     Mutation("fused_swiglu", "dup_without_activation",
              (Edit(r"\(dy \* a\)", "(dy * g)", GLU_BWD),), expect=("grad_up_proj.weight",)),
     Mutation("fused_swiglu", "tail_unwritten",
-             (Edit(r"\(cols\[None, :\] < I\)", "(cols[None, :] < I - 1)", GLU_FWD),
+             (Edit(r"m = offs < n_elem$", "m = offs < n_elem - 1", GLU_FWD),     # the flat layout (default)
               Edit(r"out = torch\.empty\(", "out = torch.zeros(", r"^def swiglu_forward\(")),
              dtype="fp32", expect=("output",)),
     # ---- fused_geglu (Gemma 3: tanh GELU)

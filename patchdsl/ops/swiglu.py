@@ -88,7 +88,9 @@ class FusedGLU(Op):
         act = self.activation(f, flags)
         cfg = glu_config(inter, target, flags.get("block", "auto"))
         fused = bool(f["fused_gate_up"])
-        if cfg["glu_layout"] == "flat" and not fused:
+        if flags.get("block", "auto") != "auto":
+            cfg["glu_layout"] = "rows"          # an explicit row tile asks for the rows layout
+        elif cfg["glu_layout"] == "flat" and not fused:
             cfg["num_warps"] = FLAT_WARPS
         return {
             "dtype": dtype, "intermediate": inter, "hidden": int(f["hidden"]), "activation": act,
@@ -245,8 +247,9 @@ GLU_FLAGS = (
     FlagSpec("in_place", "bool", True,
              "backward writes d_gate/d_up over the saved projection outputs (no allocation); "
              "false if a hook keeps those outputs"),
-    FlagSpec("block", "int", "auto", "block size in elements (rounded up to a power of two); "
-             "auto = by intermediate size", auto_ok=True, min=16),
+    FlagSpec("block", "int", "auto", "row tile in elements (rounded up to a power of two); giving it selects the "
+             "row layout (a program per row tile); auto = the flat layout (separate gate/up: 1024 elements per "
+             "program) or a row tile by intermediate size (fused gate_up)", auto_ok=True, min=16),
 )
 
 
