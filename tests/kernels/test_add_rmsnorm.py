@@ -396,3 +396,14 @@ def test_cuda_variants_compile_for_sm90(tmp_path):
     cases = [(_facts(1024), "bf16"), (_facts(1000, 1e-6, 1.0, "gemma"), "fp16"), (_facts(20000), "bf16"),
              (_facts(20000, 1e-6, 1.0, "gemma"), "fp32")]
     assert compile_for_sm90(tmp_path, OP, "DecoderLayer", cases) == 3 * len(cases)
+
+
+def test_zero_rows_give_empty_outputs_and_zero_weight_grad():
+    """An empty batch (0 rows) runs forward and backward: empty outputs, dW = 0 (was a 0 / 0 on the host)."""
+    k = kernel_for(OP, "DecoderLayer", _facts(64), "fp32")
+    x, r, w, dy, ds = _inputs(0, 64, "fp32")
+    xi, ri, wi = (t.clone().requires_grad_() for t in (x, r, w))
+    y, s = k.add_rmsnorm(xi, ri, wi)
+    torch.autograd.backward((y, s), (dy, ds))
+    assert y.shape == s.shape == (0, 64) and xi.grad.shape == (0, 64)
+    assert torch.equal(wi.grad, torch.zeros_like(w))

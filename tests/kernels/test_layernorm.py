@@ -228,3 +228,15 @@ def test_cuda_variants_compile_for_sm90(tmp_path):
     cases = [({"hidden": h, "eps": 1e-5, "bias": b}, dt)
              for h, b, dt in ((1024, True, "bf16"), (1000, False, "fp16"), (20000, True, "fp32"), (20000, False, "bf16"))]
     assert compile_for_sm90(tmp_path, OP, "LayerNorm", cases) == 3 * len(cases)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_zero_rows_give_empty_outputs_and_zero_param_grads(bias):
+    """An empty batch (0 rows) runs forward and backward: dW (and dB) = 0 (was a 0 / 0 on the host)."""
+    k = kernel_for(OP, "LayerNorm", {"hidden": 64, "eps": 1e-5, "bias": bias}, "fp32")
+    x, w, b, dy = _inputs(0, 64, "fp32", bias)
+    y, dx, dw, db = _run(k, x, w, b, dy)
+    assert y.shape == dx.shape == (0, 64)
+    assert torch.equal(dw, torch.zeros_like(w))
+    if bias:
+        assert torch.equal(db, torch.zeros_like(b))
