@@ -757,3 +757,108 @@ def test_the_checked_warm_up_answers_is_cuda_stream_capturing_only_where_is_trac
         with graphs._as_if_capturing():
             assert mod.is_tracing() is consults
         assert mod.is_tracing() is False and mod.is_cuda_stream_capturing() is False
+
+
+# ----------------------------------------------------------------------------- CPU: the mask decision in a capture
+# transformers 5.17's decision, as written there: under any tracing (a capturing CUDA stream included) the
+# causal mask is kept, so SDPA gets a materialised mask and cannot run its flash kernel.
+def _ignore_causal_mask_sdpa_517(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+    from transformers.utils.import_utils import is_tracing
+
+    if is_tracing(padding_mask):
+        return False
+    if local_attention_size is not None and kv_length >= local_attention_size:
+        return False
+    if (q_length == 1 or kv_length == q_length) and (padding_mask is None or padding_mask.all()):
+        return True
+    if q_offset == 0 and (padding_mask is None or (padding_mask[:, :q_length].all()
+                                                   and (~padding_mask[:, q_length:]).all())):
+        return True
+    return False
+
+
+def _sdpa_masks(model, batch, monkeypatch):
+    """The attn_mask SDPA receives in each layer of one forward: None (flash, is_causal) or a tensor."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, **kwargs):
+        seen.append(None if attn_mask is None else attn_mask.detach().clone())
+        return real(q, k, v, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        model(**batch)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
+    return seen
+
+
+@pytest.mark.parametrize("decision", ["installed", "5.17"])
+def test_a_capture_drops_the_causal_mask_where_eager_does(decision, monkeypatch):
+    """In the capture (and the checked warm-up standing for it) an unpadded batch gets SDPA's is_causal path,
+    as eagerly, also under transformers 5.17's decision that keeps the mask whenever a stream captures (a
+    graphed 4 x 2048 Qwen3 step was 28% slower than eager for it); a padded batch keeps the mask eager builds."""
+    import transformers.masking_utils as mu
+    from transformers import AutoModelForCausalLM
+    from patchdsl.runtime import graphs
+
+    if decision == "5.17":
+        monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", _ignore_causal_mask_sdpa_517)
+    before = mu._ignore_causal_mask_sdpa
+    iu = sys.modules["transformers.utils.import_utils"]
+    if "is_cuda_stream_capturing" not in iu.is_tracing.__code__.co_names:
+        pytest.skip("this transformers' is_tracing() does not consult CUDA stream capture")
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 300, (2, 12))
+    plain = {"input_ids": ids}
+    am = torch.ones_like(ids)
+    am[1, -3:] = 0
+    padded = {"input_ids": ids, "attention_mask": am}
+
+    eager = _sdpa_masks(m, plain, monkeypatch)
+    assert eager and all(x is None for x in eager)
+    with graphs._as_if_capturing():
+        captured_raw = _sdpa_masks(m, plain, monkeypatch)
+    if decision == "5.17":          # the case the fix is for: without it the capture keeps a full mask
+        assert all(x is not None for x in captured_raw)
+    with graphs._as_if_capturing(), graphs._mask_skip_as_in_eager():
+        captured = _sdpa_masks(m, plain, monkeypatch)
+        assert mu._ignore_causal_mask_sdpa is not before
+    assert captured == eager
+    assert mu._ignore_causal_mask_sdpa is before
+
+    eager_p = _sdpa_masks(m, padded, monkeypatch)
+    with graphs._as_if_capturing(), graphs._mask_skip_as_in_eager():
+        captured_p = _sdpa_masks(m, padded, monkeypatch)
+    assert all(x is not None for x in eager_p) and len(captured_p) == len(eager_p)
+    for a, b in zip(captured_p, eager_p):
+        assert torch.equal(a, b)
+
+
+def test_the_mask_decision_keeps_the_capture_answer_for_a_tensor_offset_and_restores_itself(monkeypatch):
+    """Only calls that read no tensor are decided with the capture flag off; the original functions come back."""
+    import types
+    from patchdsl.runtime import graphs
+
+    iu = types.ModuleType("transformers.utils.import_utils")
+    iu.is_cuda_stream_capturing = lambda: True
+    exec("def is_tracing(t=None):\n    return is_cuda_stream_capturing()", iu.__dict__)
+    mu = types.ModuleType("transformers.masking_utils")
+    calls = []
+
+    def decision(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        calls.append(iu.is_tracing())
+        return not iu.is_tracing()
+
+    mu._ignore_causal_mask_sdpa = decision
+    monkeypatch.setitem(sys.modules, "transformers.utils.import_utils", iu)
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", mu)
+    with graphs._mask_skip_as_in_eager():
+        assert mu._ignore_causal_mask_sdpa(None, 8, 8, 0, 0) is True
+        assert mu._ignore_causal_mask_sdpa(padding_mask=None, q_length=8, kv_length=8, q_offset=0, kv_offset=0)
+        assert mu._ignore_causal_mask_sdpa(torch.ones(1, 8, dtype=torch.bool), 8, 8, 0, 0) is False
+        assert mu._ignore_causal_mask_sdpa(None, 8, 8, torch.tensor(0), 0) is False
+        assert iu.is_tracing() is True
+    assert calls == [False, False, True, True]
+    assert mu._ignore_causal_mask_sdpa is decision and iu.is_tracing() is True
