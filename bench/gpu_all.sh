@@ -25,7 +25,8 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s): bench ops
+# By name only (not in "all"): sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
+# host_breakdown (80 s; bench/host_breakdown.py, plus --root .old and a comparison when .old/ is carried): bench ops
 # --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
 # part, patchdsl vs Liger per family), host time fast vs normal launch, bench/kern_sweep.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
 #
@@ -52,7 +53,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="sweep specialise profile amdahl host_ab kern_sweep flce"     # not in "all": the first round's other parts, by name only
+EXTRA="sweep specialise profile amdahl host_ab kern_sweep flce host_breakdown"     # not in "all": the first round's other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -137,6 +138,7 @@ for part in $PARTS; do
     profile) lim=$(limit profile 90) ;;
     amdahl) lim=$(limit amdahl 200) ;;
     host_ab) lim=$(limit host_ab 90) ;;
+    host_breakdown) lim=$(limit host_breakdown 80) ;;
     kern_sweep) lim=$(limit kern_sweep 90) ;;
     flce) lim=$(limit flce 120) ;;
   esac
@@ -258,6 +260,17 @@ for part in $PARTS; do
       done
       python3 bench/host_table.py "$WORK/host_fast1.json" "$WORK/host_fast0.json" >"$WORK/host_ab.txt" 2>>"$LOG"
       cat "$WORK/host_ab.txt" | tee -a "$LOG" >>"$WORK/summary.parts"
+      ;;
+    host_breakdown)   # where one forward's host time goes (bench/host_breakdown.py); with an older checkout
+                      # extracted under .old/ (git archive, carried), that version's host code first, then a comparison
+      if [ -d .old/patchdsl ]; then
+        run_part host_breakdown_old $(( lim / 2 )) python3 bench/host_breakdown.py --root .old --json "$WORK/host_breakdown_old.json"
+      fi
+      run_part host_breakdown $(( lim / 2 )) python3 bench/host_breakdown.py --json "$WORK/host_breakdown.json"
+      { sed -n '/^host us per forward (one process/,/^== /p' "$LOG" | grep -v "^== "
+        [ -f "$WORK/host_breakdown_old.json" ] && python3 bench/host_breakdown.py --compare "$WORK/host_breakdown_old.json" \
+          "$WORK/host_breakdown.json"; } >"$WORK/host_breakdown.txt" 2>>"$LOG"
+      cat "$WORK/host_breakdown.txt" | tee -a "$LOG" >>"$WORK/summary.parts"
       ;;
     flce)   # the fully fused linear CE (mode=fused): tile sweep at both issue shapes (its output into bench.log and
             # flce.txt), then bench ops of the fused family vs the chunked mode, torch.compile, Liger and CCE
