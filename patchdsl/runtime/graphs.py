@@ -369,6 +369,12 @@ class GraphedStep:
                 self._inside = False
         return total, gn
 
+    def _eager_masks(self) -> Any:
+        """The attention masks of an eager step inside the capture (see :func:`_mask_as_in_eager`); the
+        positions are the model's own when the default loss calls ``model(**batch)`` (batches with
+        ``position_ids`` are refused)."""
+        return _mask_as_in_eager(model_positions=self.loss_fn is _model_loss)
+
     def _set_grads_none(self) -> None:
         for p in self._params:
             p.grad = None
@@ -441,7 +447,7 @@ class GraphedStep:
         g = torch.cuda.CUDAGraph()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*capturable=True.*")
-            with _mask_skip_as_in_eager(), torch.cuda.graph(g, capture_error_mode=self.capture_error_mode):
+            with self._eager_masks(), torch.cuda.graph(g, capture_error_mode=self.capture_error_mode):
                 loss, gn = self._run(static)
         return g, loss, gn
 
@@ -453,7 +459,7 @@ class GraphedStep:
         prev = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with _as_if_capturing(), _mask_skip_as_in_eager():
+            with _as_if_capturing(), self._eager_masks():
                 self._run(static)
             return
         except RuntimeError as e:
@@ -469,7 +475,7 @@ class GraphedStep:
         spy = _SyncSpy()                  # the same iteration again (the caller restores the state after)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with spy, _as_if_capturing(), _mask_skip_as_in_eager():
+            with spy, _as_if_capturing(), self._eager_masks():
                 self._run(static)
         except RuntimeError as e2:
             if _is_sync_error(e2):
@@ -678,32 +684,39 @@ def _as_if_capturing() -> Iterator[None]:
 
 
 # transformers decides whether SDPA may run with ``is_causal=True`` and no mask (the flash kernel) or
-# needs a materialised (batch, 1, q, kv) mask (the slower memory-efficient kernel) in these functions;
+# needs a materialised (batch, 1, q, kv) mask (a slower kernel over every block) in these functions;
 # their first argument is the 2-D padding mask or None.
 _MASK_SKIP_DECISIONS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 
 
 @contextlib.contextmanager
-def _mask_skip_as_in_eager() -> Iterator[None]:
-    """During the capture (and the checked warm-up that stands for it), let transformers drop the
-    attention mask exactly where an eager step drops it.
+def _mask_as_in_eager(model_positions: bool) -> Iterator[None]:
+    """During the capture (and the checked warm-up that stands for it), let transformers build the
+    attention mask an eager step builds: none, for an unpadded causal batch.
 
-    Some transformers versions (5.17 among them) return "keep the mask" from
-    ``_ignore_causal_mask_sdpa`` whenever ``is_tracing()`` is true, and ``is_tracing()`` includes "a
-    CUDA stream is capturing".  A captured step then builds a full causal mask per forward and SDPA
-    runs its memory-efficient kernel over every (q, kv) block instead of the flash kernel over the
-    causal half: on the H200 a graphed Qwen3-0.6B 4 x 2048 step took 112 ms against eager's 87 ms.
+    Two of transformers' mask decisions read tensor data, so they answer "keep a mask" whenever
+    ``is_tracing()`` is true, and ``is_tracing()`` includes "a CUDA stream is capturing":
 
-    Without a padding mask the decision reads no tensor data (only the query / key lengths, an int
-    offset and the sliding-window size, all fixed for one captured shape), so it is as valid inside a
-    graph as outside: for those calls the decision is made with the capture flag off.  Calls with a
-    padding mask, or with a tensor offset (a static cache), keep the in-capture answer."""
+    * ``find_packed_sequence_indices(position_ids)`` checks on the host whether the positions restart
+      (packed sequences); in a capture it returns its per-token sequence index instead of None, and a
+      full mask is built from it.  ``graph_step`` refuses batches with ``position_ids``, so with the
+      default loss (``model(**batch)``) the positions are the model's own ``arange``, which never
+      restart: for those (``model_positions``) the answer is eager's, None.  With a custom
+      ``loss_fn`` the positions could be anything, so the in-capture answer is kept.
+    * ``_ignore_causal_mask_sdpa`` (5.17; 5.24 only with a padding mask): without a padding mask the
+      decision reads no tensor data (the query / key lengths, an int offset, the sliding window, all
+      fixed for one captured shape), so it is made with the capture flag off.  Calls with a padding
+      mask, or with a tensor offset (a static cache), keep the in-capture answer.
+
+    Measured on the H200 (bench/graph_profile.py, Qwen3-0.6B 4 x 2048): with the mask, cuDNN's SDPA
+    forward and backward took 44.7 ms of a 108 ms replay against 14.6 ms eagerly."""
     mu = sys.modules.get("transformers.masking_utils")
     iu = sys.modules.get("transformers.utils.import_utils")
     if mu is None or iu is None or not callable(getattr(iu, "is_cuda_stream_capturing", None)):
         yield
         return
     originals = {name: getattr(mu, name) for name in _MASK_SKIP_DECISIONS if callable(getattr(mu, name, None))}
+    packed = getattr(mu, "find_packed_sequence_indices", None) if model_positions else None
     torch = _torch()
 
     def shape_only(orig: Callable) -> Callable:
@@ -720,13 +733,21 @@ def _mask_skip_as_in_eager() -> Iterator[None]:
         decide.__wrapped__ = orig
         return decide
 
+    def not_packed(position_ids: Any) -> None:
+        return None
+
     for name, orig in originals.items():
         setattr(mu, name, shape_only(orig))
+    if callable(packed):
+        not_packed.__wrapped__ = packed
+        mu.find_packed_sequence_indices = not_packed
     try:
         yield
     finally:
         for name, orig in originals.items():
             setattr(mu, name, orig)
+        if callable(packed):
+            mu.find_packed_sequence_indices = packed
 
 
 def _not_capturing() -> bool:
