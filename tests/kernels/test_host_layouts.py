@@ -238,3 +238,57 @@ def test_qk_norm_rope(name):
     assert_close(ko, ko6, "fp32", f"qk_norm_rope {name} k_out")
     for a, b, what in zip(got, want, ("dq", "dk", "dwq", "dwk")):
         assert_close(a, b, "fp32", f"qk_norm_rope {name} {what}")
+
+
+def _opcheck_cases():
+    """(name, module loader, forward op args): contiguous 3-D inputs and one non-contiguous one."""
+    def rms():
+        return kernel_for("fused_rmsnorm", "RMSNorm", {"hidden": H, "eps": 1e-6, "offset": 0.0, "casting": "llama"}, "fp32")
+
+    def add():
+        return kernel_for("fused_add_rmsnorm", "DecoderLayer",
+                          {"hidden": H, "eps": 1e-6, "offset": 0.0, "casting": "llama", "layout": "prenorm"}, "fp32")
+
+    def ln():
+        return kernel_for("fused_layernorm", "LayerNorm", {"hidden": H, "eps": 1e-5, "bias": True}, "fp32")
+
+    def glu(fused):
+        f = {"hidden": 32, "intermediate": 48, "fused_gate_up": fused, "bias": False, "activation": "silu"}
+        return lambda: kernel_for("fused_swiglu", "SwiGLU", f, "fp32")
+
+    def rope():
+        att = {"head_dim": D, "rotary_dim": D, "n_heads": NQ, "n_kv_heads": NK, "fused_qkv": False}
+        return kernel_for("fused_rope", "Attention", att, "fp32")
+
+    def qknr():
+        att = {"head_dim": D, "rotary_dim": D, "n_heads": NQ, "n_kv_heads": NK, "fused_qkv": False,
+               "qk_norm": {"eps": 1e-6, "offset": 0.0, "casting": "llama"}}
+        return kernel_for("fused_qk_norm_rope", "Attention", att, "fp32")
+
+    g = torch.Generator().manual_seed(8)
+    for lay in ("contiguous", "strided rows"):
+        x, r = layout(lay, (2, 3, H), g), layout(lay, (2, 3, H), g)
+        w, b = torch.randn(H, generator=g).to(DEVICE), torch.randn(H, generator=g).to(DEVICE)
+        yield f"rmsnorm-{lay}", rms, "rmsnorm_forward_op", (x, w)
+        yield f"add_rmsnorm-{lay}", add, "add_rmsnorm_forward_op", (x, r, w)
+        yield f"layernorm-{lay}", ln, "layernorm_forward_op", (x, w, b)
+        yield f"swiglu-{lay}", glu(False), "swiglu_forward_op", (layout(lay, (2, 3, 48), g), layout(lay, (2, 3, 48), g))
+        yield f"swiglu_gate_up-{lay}", glu(True), "swiglu_forward_op", (layout(lay, (2, 3, 96), g),)
+    for lay in ("contiguous", "slice of qkv"):
+        q, k = head_layout(lay, NQ, g), head_layout(lay, NK, g)
+        cos, sin = _cos_sin(g, B)
+        wq, wk = torch.randn(D, generator=g).to(DEVICE), torch.randn(D, generator=g).to(DEVICE)
+        yield f"rope-{lay}", rope, "rope_forward_op", (q, k, cos, sin)
+        yield f"qk_norm_rope-{lay}", qknr, "qk_norm_rope_forward_op", (q, k, wq, wk, cos, sin)
+
+
+OPCHECK = list(_opcheck_cases())
+
+
+@pytest.mark.parametrize("name,load,op,args", OPCHECK, ids=[c[0] for c in OPCHECK])
+def test_forward_custom_op_fake_matches_real(name, load, op, args):
+    """torch.compile's path: the fake forward gives the real one's shapes, dtypes and strides
+    (opcheck's fake-tensor check), and the op passes the rest of opcheck."""
+    mod = load()
+    res = torch.library.opcheck(getattr(mod, op), args, test_utils=("test_schema", "test_faketensor"))
+    assert all(v == "SUCCESS" for v in res.values()), res
