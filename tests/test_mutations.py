@@ -204,10 +204,10 @@ ALL_MUTATIONS = [
              expect=("output",)),
     Mutation("fused_rmsnorm", "tail_unwritten",
              (Edit(r"^(\s*)m = cols < HIDDEN$", r"\1m = cols < HIDDEN - 1", RMS_FWD),
-              Edit(r"y = torch\.empty\(", "y = torch.zeros(", r"^def rmsnorm_forward\(")),
+              Edit(r"y = torch\.empty_like\(", "y = torch.zeros_like(", r"^def rmsnorm_forward\(")),
              expect=("output",)),
     Mutation("fused_rmsnorm", "dw_halved",
-             (Edit(r"^(\s*)return (dx\.view\(x\.shape\)), dw$", r"\1return \2, dw * 0.5", r"^def rmsnorm_backward\("),),
+             (Edit(r"^(\s*)return dx, dw$", r"\1return dx, dw * 0.5", r"^def rmsnorm_backward\("),),
              expect=("grad_weight",)),
     Mutation("fused_rmsnorm", "dx_sign",
              (Edit(r"\(g - xhat \*", "(g + xhat *", RMS_BWD),), expect=("grad_input",)),
@@ -220,7 +220,7 @@ ALL_MUTATIONS = [
     Mutation("fused_add_rmsnorm", "residual_grad_dropped",
              (Edit(r"\) \+ ds$", ")", ADD_BWD),), expect=("grad_input",)),
     Mutation("fused_add_rmsnorm", "dw_halved",
-             (Edit(r"^(\s*)return (dx\.view\(s\.shape\)), dw$", r"\1return \2, dw * 0.5",
+             (Edit(r"^(\s*)return dx, dw$", r"\1return dx, dw * 0.5",
                    r"^def add_rmsnorm_backward\("),), dtype="fp32",
              expect=("grad_post_attention_layernorm.weight",)),
     # ---- fused_layernorm (Phi-2: with bias; hidden 48 in a block of 64)
@@ -298,7 +298,7 @@ ALL_MUTATIONS = [
              (Edit(r"\(dy \* a\)", "(dy * g)", GLU_BWD),), expect=("grad_up_proj.weight",)),
     Mutation("fused_swiglu", "tail_unwritten",
              (Edit(r"m = offs < n_elem$", "m = offs < n_elem - 1", GLU_FWD),     # the flat layout (default)
-              Edit(r"out = torch\.empty\(", "out = torch.zeros(", r"^def swiglu_forward\(")),
+              Edit(r"out = torch\.empty_like\(", "out = torch.zeros_like(", r"^def swiglu_forward\(")),
              dtype="fp32", expect=("output",)),
     # ---- fused_geglu (Gemma 3: tanh GELU)
     Mutation("fused_geglu", "dup_without_activation",
