@@ -92,7 +92,15 @@ def test_rmsnorm_variant_vs_float64_and_default(name, dtype, offset, casting, ro
     assert params["single_pass"], "the variants are parameters of the one-pass kernels"
     base, _, _ = variant("fused_rmsnorm", "RMSNorm", facts, dtype, {})
     x, w, dy = _rms_inputs(rows, hidden, dtype, seed=rows)
-    y, dx, dw = _rms_run(k, x, w, dy)
+    try:
+        y, dx, dw = _rms_run(k, x, w, dy)
+    except Exception as e:
+        # a pipelined backward holds bwd_stages x BWD_ROWS x hidden in shared memory: 3 x 8 x 4096 needs
+        # 262 KB, over an H200's 227 KB (bench/results/h200-2026-12-03-r4run4). The sweep records such
+        # variants as not fitting; only that variant, only that error, is skipped here.
+        if type(e).__name__ == "OutOfResources" and RMS_VARIANTS[name].get("bwd_stages", 0) > 0:
+            pytest.skip(f"{name} does not fit at hidden {hidden} on this GPU: {e}")
+        raise
     yr, dxr, dwr = _rms_ref(x, w, dy, 1e-5, offset)
     assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype
     assert_close(y, yr, dtype, "y")
