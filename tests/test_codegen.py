@@ -139,8 +139,11 @@ def _reader(args):
 
 def test_atomic_write_never_shows_a_torn_file(tmp_path):
     """Writers of two different (large) contents and readers at once: every read is one whole file."""
+    from patchdsl.codegen.cache import atomic_write
+
     path = tmp_path / "k.py"
     a, b = "a" * 400_000 + "\n", "b" * 300_000 + "\n"
+    atomic_write(path, a)        # readers always find a file, even if scheduled before any writer (a loaded CI box)
     ctx = mp.get_context("spawn")
     with ctx.Pool(4) as pool:
         w = pool.map_async(_hammer, [(str(path), a, 60), (str(path), b, 60)])
