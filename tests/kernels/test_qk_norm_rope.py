@@ -270,3 +270,18 @@ def test_non_rotary_module_is_refused():
 
 def test_covers_the_norm_children():
     assert get_op(OP).covers == ("q_norm", "k_norm")
+
+
+@pytest.mark.parametrize("cos_batch", [1, 2])
+def test_cos_sin_unsqueezed_for_the_heads_give_the_same_result(cos_batch):
+    """(batch or 1, 1, seq, R), as apply_rotary_pos_emb unsqueezes them, is read with its seq stride (the
+    shared _cos_sin of the rotary templates); a heads dimension other than 1 is refused."""
+    nq, nk, d, r = 4, 2, 64, 32
+    kern = kernel_for(OP, "Attention", facts(d, r, nq, nk), "fp32")
+    q, k, wq, wk, cos, sin, dq, dk = inputs(2, 5, nq, nk, d, r, "fp32", seed=9, cos_batch=cos_batch)
+    want = ref64(q, k, wq, wk, cos, sin, dq, dk, 0.0)
+    got = run(kern, q, k, wq, wk, cos.unsqueeze(1), sin.unsqueeze(1), dq, dk)
+    for g, w, name in zip(got, want, ("q_out", "k_out", "dq", "dk", "dwq", "dwk")):
+        assert_close(g, w, "fp32", name)
+    with pytest.raises(ValueError, match="cos/sin: expected"):
+        kern.qk_norm_rope(q, k, wq, wk, cos.unsqueeze(1).expand(-1, 3, -1, -1), sin.unsqueeze(1).expand(-1, 3, -1, -1))

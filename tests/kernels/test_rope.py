@@ -129,6 +129,46 @@ def test_non_contiguous_output_gradient():
     assert_close(gk, rdk, "fp32", "dk")
 
 
+# cos/sin layouts: HF's rotary embedding returns (batch or 1, seq, R); apply_rotary_pos_emb unsqueezes them to
+# (batch or 1, 1, seq, R) for the heads; a (seq, R) table is the plain one.  Each must give the same rotation.
+COS_LAYOUTS = [
+    ("3-D, one for all rows", 1, lambda c: c),
+    ("3-D, per row", 2, lambda c: c),
+    ("2-D (seq, R)", 1, lambda c: c[0]),
+    ("4-D unsqueezed for the heads", 1, lambda c: c.unsqueeze(1)),
+    ("4-D unsqueezed, per row", 2, lambda c: c.unsqueeze(1)),
+]
+
+
+@pytest.mark.parametrize("what,cos_batch,layout", COS_LAYOUTS, ids=[c[0] for c in COS_LAYOUTS])
+def test_cos_sin_layouts_give_the_same_rotation(what, cos_batch, layout):
+    nq, nk, d, r = 4, 2, 64, 32
+    kern = kernel_for(OP, "Attention", facts(d, r, nq, nk), "fp32")
+    q, k, cos, sin, dq, dk = inputs(2, 5, nq, nk, d, r, "fp32", seed=7, cos_batch=cos_batch)
+    rq, rk, rdq, rdk = ref64(q, k, cos, sin, dq, dk)
+    qo, ko, gq, gk = run(kern, q, k, layout(cos), layout(sin), dq, dk)
+    for got, want, name in ((qo, rq, "q_out"), (ko, rk, "k_out"), (gq, rdq, "dq"), (gk, rdk, "dk")):
+        assert_close(got, want, "fp32", f"{what}: {name}")
+
+
+BAD_COS = [
+    ("heads dim not 1", lambda c: c.unsqueeze(1).expand(-1, 2, -1, -1)),
+    ("5-D", lambda c: c[None, None]),
+    ("1-D", lambda c: c[0, 0]),
+    ("wrong seq", lambda c: c[:, :4]),
+]
+
+
+@pytest.mark.parametrize("what,bad", BAD_COS, ids=[c[0] for c in BAD_COS])
+def test_a_cos_sin_layout_that_is_not_a_rotary_table_is_refused(what, bad):
+    """Must fail: a 4-D cos with a heads dimension other than 1 was accepted before and read with its
+    heads stride as the seq stride."""
+    kern = kernel_for(OP, "Attention", facts(64, 32, 4, 2), "fp32")
+    q, k, cos, sin, _, _ = inputs(1, 5, 4, 2, 64, 32, "fp32")
+    with pytest.raises(ValueError, match=r"cos/sin: expected \(5, 32\), \(1 or 1, 5, 32\) or \(1 or 1, 1, 5, 32\)"):
+        kern.rope(q, k, bad(cos), bad(sin))
+
+
 def test_shape_mismatch_is_an_error():
     kern = kernel_for(OP, "Attention", facts(64, 64, 4, 2), "fp32")
     q, k, cos, sin, _, _ = inputs(1, 3, 4, 2, 64, 64, "fp32")
