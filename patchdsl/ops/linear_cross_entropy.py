@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .base import FlagSpec, ModuleInfo, Op
-from .cross_entropy import LOSS_FLAGS, loss_kernel_name, loss_params
+from .cross_entropy import LOSS_FLAGS, ce_block, loss_kernel_name, loss_params, num_tag
 from .registry import register
 
 # Auto chunk on the GPU: the largest power-of-two token count whose logits fit this many bytes.
@@ -136,6 +136,70 @@ def chunk_params(vocab: int, hidden: int, flags: Mapping[str, Any], dtype: str, 
     return chunk, acc
 
 
+def lm_head_linear_reason(module: Any, info: ModuleInfo, facts: Mapping[str, Any]) -> str | None:
+    """Why ``module`` (selected as a Linear) is not the plain lm_head of its causal LM, or None."""
+    import torch
+    if not isinstance(module, torch.nn.Linear):
+        return f"{type(module).__name__} is not a plain nn.Linear (a LoRA delta would be missed)"
+    if (info.path.rsplit(".", 1)[-1] != "lm_head" or module.out_features != facts["vocab"]
+            or module.in_features != facts["hidden"]):
+        return "this Linear is not the causal LM's lm_head"
+    return None
+
+
+class ChunkedHeadOp(Op):
+    """What the chunked LM-head ops that take the logits as they are (no softcapping or scaling)
+    share: fused_linear_logprobs and fused_linear_jsd.  Each adds its flags, template and forward;
+    ``extra_params`` / ``name_tags`` add its own kernel parameters and name parts."""
+
+    wraps_instance_forward = True      # calls the op does not compute go to the forward found on the instance
+    kinds = ("Linear",)
+
+    def host(self, info: ModuleInfo, index: Any) -> str:
+        from .loss_path import causal_lm_host
+        return causal_lm_host(info, index)
+
+    def extra_params(self, flags: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def name_tags(self, params: Mapping[str, Any]) -> list[str]:
+        return []
+
+    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
+        vocab, hidden, bias = head_sizes(info)
+        block, _, warps = ce_block(vocab, flags, target)
+        chunk, acc = chunk_params(vocab, hidden, flags, dtype, target)
+        return {"dtype": dtype, "w_dtype": dtype, "vocab": int(vocab), "hidden": int(hidden), "bias": bias,
+                "BLOCK": block, "n_tiles": -(-vocab // block), "num_warps": warps, "chunk": chunk,
+                "accumulate": acc, "ignore_index": int(flags.get("ignore_index", -100)),
+                **self.extra_params(flags), "target": target, "tag": f"v{vocab}"}
+
+    def kernel_name(self, params: Mapping[str, Any]) -> str:
+        parts = [self.name, params["dtype"], f"h{params['hidden']}", f"v{params['vocab']}", *self.name_tags(params),
+                 f"c{params['chunk']}"]
+        if params["bias"]:
+            parts.append("bias")
+        parts.append(f"acc{params['accumulate']}")
+        if params["ignore_index"] != -100:
+            parts.append(f"ign{num_tag(params['ignore_index'])}")
+        if params["n_tiles"] > 1:
+            parts.append(f"b{params['BLOCK']}")
+        parts.append(params.get("target", "cuda"))
+        return "_".join(str(p) for p in parts)
+
+    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
+        from .loss_path import host_reason
+        f = info.facts("CausalLM")
+        if not f:
+            return "no enclosing causal LM (a module with model, lm_head and config) was found"
+        if f.get("softcap") or f.get("logits_scaling") not in (None, 1, 1.0):
+            return ("the model transforms its logits (final_logit_softcapping / logits_scaling), which "
+                    f"{self.name} does not reproduce")
+        if hasattr(module, "lm_head") and hasattr(module, "model"):
+            return host_reason(module, info, flags, self.name)
+        return lm_head_linear_reason(module, info, f)
+
+
 class FusedLinearCrossEntropy(Op):
     # the loss-path forward calls an instance-level forward it finds (accelerate's mixed-precision
     # convert_outputs_to_fp32, TRL's head) for every call it does not compute itself
@@ -207,12 +271,9 @@ class FusedLinearCrossEntropy(Op):
             return "no enclosing causal LM (a module with model, lm_head and config) was found"
         if hasattr(module, "lm_head") and hasattr(module, "model"):
             return host_reason(module, info, flags, self.loss_role)
-        import torch
-        if not isinstance(module, torch.nn.Linear):
-            return f"{type(module).__name__} is not a plain nn.Linear (a LoRA delta would be missed)"
-        if (info.path.rsplit(".", 1)[-1] != "lm_head" or module.out_features != f["vocab"]
-                or module.in_features != f["hidden"]):
-            return "this Linear is not the causal LM's lm_head"
+        why = lm_head_linear_reason(module, info, f)
+        if why:
+            return why
         got, want = resolve_softcap(flags, f), (float(f["softcap"]) if f.get("softcap") else None)
         if got != want:
             return (f"softcap={flags.get('softcap')} resolves to {got} but the model applies "

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
-from .cross_entropy import ce_block, num_tag
-from .linear_cross_entropy import CHUNK_FLAGS, chunk_params, head_sizes
+from .base import FlagSpec
+from .linear_cross_entropy import CHUNK_FLAGS, ChunkedHeadOp
 from .registry import register
 
 
-class FusedLinearLogprobs(Op):
-    wraps_instance_forward = True      # answers TRL's fused_lm_head calls over the forward TRL installs
+class FusedLinearLogprobs(ChunkedHeadOp):
+    # wraps_instance_forward: answers TRL's fused_lm_head calls over the forward TRL installs
     name = "fused_linear_logprobs"
-    kinds = ("Linear",)
     template = "fused_linear_logprobs.py.j2"
     doc = ("Per-token log-probability of given targets, entropy and logsumexp (plus TRL's mean logit, "
            "log sum p^2 and top-1 flag) from the hidden states and lm_head, in token chunks, never holding more "
@@ -42,49 +40,6 @@ class FusedLinearLogprobs(Op):
         FlagSpec("block", "int", "auto", "row block in elements (power of two); auto = by vocab size",
                  auto_ok=True, min=16),
     )
-
-    def host(self, info: ModuleInfo, index: Any) -> str:
-        from .loss_path import causal_lm_host
-        return causal_lm_host(info, index)
-
-    def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
-        vocab, hidden, bias = head_sizes(info)
-        block, _, warps = ce_block(vocab, flags, target)
-        chunk, acc = chunk_params(vocab, hidden, flags, dtype, target)
-        return {"dtype": dtype, "w_dtype": dtype, "vocab": int(vocab), "hidden": int(hidden), "bias": bias,
-                "BLOCK": block, "n_tiles": -(-vocab // block), "num_warps": warps, "chunk": chunk,
-                "accumulate": acc, "ignore_index": int(flags.get("ignore_index", -100)),
-                "target": target, "tag": f"v{vocab}"}
-
-    def kernel_name(self, params: Mapping[str, Any]) -> str:
-        parts = [self.name, params["dtype"], f"h{params['hidden']}", f"v{params['vocab']}", f"c{params['chunk']}"]
-        if params["bias"]:
-            parts.append("bias")
-        parts.append(f"acc{params['accumulate']}")
-        if params["ignore_index"] != -100:
-            parts.append(f"ign{num_tag(params['ignore_index'])}")
-        if params["n_tiles"] > 1:
-            parts.append(f"b{params['BLOCK']}")
-        parts.append(params.get("target", "cuda"))
-        return "_".join(str(p) for p in parts)
-
-    def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .loss_path import host_reason
-        f = info.facts("CausalLM")
-        if not f:
-            return "no enclosing causal LM (a module with model, lm_head and config) was found"
-        if f.get("softcap") or f.get("logits_scaling") not in (None, 1, 1.0):
-            return ("the model transforms its logits (final_logit_softcapping / logits_scaling), which "
-                    "fused_linear_logprobs does not reproduce")
-        if hasattr(module, "lm_head") and hasattr(module, "model"):
-            return host_reason(module, info, flags, self.name)
-        import torch
-        if not isinstance(module, torch.nn.Linear):
-            return f"{type(module).__name__} is not a plain nn.Linear (a LoRA delta would be missed)"
-        if (info.path.rsplit(".", 1)[-1] != "lm_head" or module.out_features != f["vocab"]
-                or module.in_features != f["hidden"]):
-            return "this Linear is not the causal LM's lm_head"
-        return None
 
     def make_forward(self, module, kernels, flags, info):
         from .loss_path import make_logprobs_forward
