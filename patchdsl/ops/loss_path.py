@@ -328,6 +328,21 @@ def shift_labels_of(labels: Any, ignore_index: int) -> Any:
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+def _run_body(self: Any, a: dict, extra: dict) -> tuple[Any, Any, Any, bool]:
+    """Run the causal LM's decoder body (``self.model``) on the call's arguments once the loss path
+    has taken the call: pops ``logits_to_keep`` and ``return_dict`` (the config's default unless the
+    call gives one) and returns (the body's outputs, its last hidden state, logits_to_keep,
+    return_dict)."""
+    logits_to_keep = a.pop("logits_to_keep", 0)
+    return_dict = getattr(self.config, "return_dict", True)
+    rd = a.pop("return_dict", None) if "return_dict" in a else extra.pop("return_dict", None)
+    if rd is not None:
+        return_dict = rd
+    outputs = self.model(**a, **extra)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    return outputs, hidden, logits_to_keep, return_dict
+
+
 def slice_hidden(hidden: Any, logits_to_keep: Any) -> Any:
     """The slicing the HF forward applies before lm_head (int: last k, 0 = all; tensors)."""
     import torch
@@ -405,13 +420,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
         if lm.weight.dtype not in supported:
             return original(self, *args, **kwargs)
         a.pop("labels", None)
-        logits_to_keep = a.pop("logits_to_keep", 0)
-        return_dict = getattr(self.config, "return_dict", True)
-        rd = a.pop("return_dict", None) if "return_dict" in a else extra.pop("return_dict", None)
-        if rd is not None:
-            return_dict = rd
-        outputs = self.model(**a, **extra)
-        hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+        outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra)
         hidden = slice_hidden(hidden, logits_to_keep)
         if shift is None:
             shift = shift_labels_of(labels, ignore)
@@ -561,18 +570,12 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
             return original(self, *args, **kwargs)
         extra.pop("ignore_index", None)
         a.pop("labels", None)
-        logits_to_keep = a.pop("logits_to_keep", 0)
-        return_dict = getattr(self.config, "return_dict", True)
-        rd = a.pop("return_dict", None) if "return_dict" in a else extra.pop("return_dict", None)
-        if rd is not None:
-            return_dict = rd
         if fused:
             if "use_cache" in a:
                 a["use_cache"] = False
             else:
                 extra["use_cache"] = False
-        outputs = self.model(**a, **extra)
-        hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+        outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra)
         hidden = slice_hidden(hidden, logits_to_keep)
         if shift is None:
             hidden, targets = hidden[:, :-1], labels[..., 1:]
@@ -724,13 +727,7 @@ def make_jsd_forward(host: Any, kernels: Callable | None, flags: Mapping[str, An
             raise ValueError(f"{where}: teacher_hidden_states have size {h_t.shape[-1]} in their last dimension, "
                              f"the teacher head expects {w_t.shape[1]} (pass the teacher's last hidden state, "
                              "after its final norm: teacher.model(...).last_hidden_state)")
-        logits_to_keep = a.pop("logits_to_keep", 0)
-        return_dict = getattr(self.config, "return_dict", True)
-        rd = a.pop("return_dict", None) if "return_dict" in a else extra.pop("return_dict", None)
-        if rd is not None:
-            return_dict = rd
-        outputs = self.model(**a, **extra)
-        hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+        outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra)
         if h_t.dim() != hidden.dim() or h_t.shape[:-1] != hidden.shape[:-1]:
             raise ValueError(f"{where}: teacher_hidden_states are {tuple(h_t.shape)} but the student's hidden states "
                              f"are {tuple(hidden.shape)}: run the teacher on the same input_ids")
