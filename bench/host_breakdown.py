@@ -36,7 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _use_root(argv: list[str]) -> str:
     """``--root DIR``: import patchdsl (and its templates) from another checkout, e.g. an older
-    commit extracted with ``git archive``, to compare two versions' host code in one process run."""
+    commit extracted with ``git archive``, to compare two versions' host code in one process run.
+    The checkout needs ``patchdsl.bench.runner.patchdsl_entry`` (commits from 2026-12-03 on; the
+    r4run3 comparison against c905ac7 ran with this script's earlier version)."""
     root = ROOT
     for i, a in enumerate(argv):
         if a == "--root" and i + 1 < len(argv):
@@ -57,11 +59,10 @@ def breakdown(fam, shape: dict, dtype: str, device: str, target_ms: float, lo: i
     import torch
 
     from patchdsl.bench import timing
-    from patchdsl.bench.cases import as_tuple, bind, resolve_entry
-    from patchdsl.bench.runner import _gen, build_patchdsl, plan_key
+    from patchdsl.bench.cases import as_tuple
+    from patchdsl.bench.runner import _gen, build_patchdsl, patchdsl_entry
     from patchdsl.codegen import launch as L
-    from patchdsl.codegen import load_kernel, target
-    from patchdsl.ops.registry import get_op
+    from patchdsl.codegen import target
 
     params = fam.make_params(shape, dtype, device, _gen(device, 0))
     act = fam.make_act(shape, dtype, device, _gen(device, 1))
@@ -71,14 +72,11 @@ def breakdown(fam, shape: dict, dtype: str, device: str, target_ms: float, lo: i
             ref_shapes = [tuple(t.shape) for t in as_tuple(fam.ref_forward(params, act))]
     except NotImplementedError:           # families with their own reference() (the losses): outputs as they are
         ref_shapes = []
-    bench_call, info = build_patchdsl(fam, params, shape, dtype, target(), ref_shapes)
-    key, _ = plan_key(fam, get_op(fam.op), shape, dtype, target())
-    mod = load_kernel(key)
-    fn, entry_name = resolve_entry(mod, fam.entry_names)
+    entry = patchdsl_entry(fam, shape, dtype, target())
+    bench_call, _ = build_patchdsl(fam, params, shape, dtype, target(), ref_shapes, entry=entry)
+    mod, fn = entry.module, entry.fn
     values = fam.patchdsl_values(params, dict(zip(fam.act_names, acts)))
-    b = bind(fn, fam.synonyms, fam.canon_order)
-    plan = getattr(b, "bound", [])
-    args = [values[c] for _, c in plan]
+    args = [values[c] for _, c in getattr(entry.call, "bound", [])]
 
     class View(torch.autograd.Function):
         @staticmethod
@@ -129,7 +127,7 @@ def breakdown(fam, shape: dict, dtype: str, device: str, target_ms: float, lo: i
             rows[f"{peer}_why"] = f"{type(e).__name__}: {str(e)[:120]}"
     rows["launch"] = rows["entry"] - rows["entry_nolaunch"]
     rows["wrapper"] = rows["bench_call"] - rows["entry"]
-    return {"op": fam.name, "label": fam.label(shape), "kernel": key.name, "entry": entry_name,
+    return {"op": fam.name, "label": fam.label(shape), "kernel": entry.key.name, "entry": entry.name,
             "device": device, "us": rows}
 
 

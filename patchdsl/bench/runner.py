@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from . import timing
 from .cases import (DTYPE_SIZE, Family, NotImplementedYet, Unavailable, as_tuple, bind, families,
@@ -128,17 +128,35 @@ def plan_key(fam: Family, op: Any, shape: dict, dtype: str, target: str):
     return key, rule
 
 
-def build_patchdsl(fam: Family, params: dict, shape: dict, dtype: str, target: str, ref_shapes: list):
+class Entry(NamedTuple):
+    """The op's generated module as a real model would plan it, its entry point (and the name it was
+    found under), the entry bound to the family's value names, the kernel key and the planned rule."""
+    module: Any
+    fn: Callable
+    name: str
+    call: Callable
+    key: Any
+    rule: str
+
+
+def patchdsl_entry(fam: Family, shape: dict, dtype: str, target: str) -> Entry:
     from ..codegen import load_kernel
     from ..ops.registry import get_op
 
     op = get_op(fam.op)
     if op is None:
         raise NotImplementedYet(f"op {fam.op} is not in the registry yet (its op module has not landed)")
-    key, site = plan_key(fam, op, shape, dtype, target)
+    key, rule = plan_key(fam, op, shape, dtype, target)
     mod = load_kernel(key)
-    fn, _ = resolve_entry(mod, fam.entry_names)
-    b = bind(fn, fam.synonyms, fam.canon_order)
+    fn, name = resolve_entry(mod, fam.entry_names)
+    return Entry(mod, fn, name, bind(fn, fam.synonyms, fam.canon_order), key, rule)
+
+
+def build_patchdsl(fam: Family, params: dict, shape: dict, dtype: str, target: str, ref_shapes: list,
+                   entry: Entry | None = None):
+    """The bench's call of the patchdsl op (``entry``: one already planned, else planned here)."""
+    e = entry or patchdsl_entry(fam, shape, dtype, target)
+    b, key, site = e.call, e.key, e.rule
     names = fam.act_names
     notes: list[str] = []
 
