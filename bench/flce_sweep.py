@@ -15,7 +15,6 @@ to use (``fused_linear_cross_entropy(mode=fused, tile=..., grad_tile=...)``); no
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from patchdsl.bench import timing  # noqa: E402
 from patchdsl.codegen import KernelKey, load_kernel, target  # noqa: E402
 from patchdsl.ops.base import ModuleInfo  # noqa: E402
 from patchdsl.ops.linear_cross_entropy import FUSED_TILES, INTERP_TILE  # noqa: E402
@@ -49,23 +49,11 @@ def build(vocab: int, hidden: int, dtype: str, flags: dict):
 
 
 def timed(fn, reps: int = 5) -> float:
-    """Median ms of ``reps`` calls after one warm-up (CUDA events; wall clock on the CPU smoke run)."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
+    """Median ms per call over ``reps`` calls after a warm-up: CUDA events (``bench ops``'
+    ``time_events``), wall clock on the CPU smoke run."""
+    if DEVICE == "cuda":
+        return timing.time_events([fn], min_reps=reps, max_reps=reps).ms
+    return timing.time_cpu([fn], min_reps=reps, max_reps=reps).ms
 
 
 def rel(a, b) -> float:

@@ -5,7 +5,7 @@
 Builds the patched model (random weights, bf16, the shipped spec) as ``bench e2e`` does. Then, for
 one eager training step and for one replay of ``patchdsl.graph_step``'s graph of the same step:
 
-* GPU time of the step, from CUDA events: the median of 5;
+* GPU time of the step, from CUDA events (``patchdsl.bench.timing.time_events``): the median of 5;
 * what SDPA was called with: ``attn_mask`` None or a tensor, ``is_causal``, the dtype. A spy
   wraps ``torch.nn.functional.scaled_dot_product_attention`` during one eager forward and during
   the capture;
@@ -21,26 +21,11 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-
-
-def _events_ms(fn, reps: int = 5) -> float:
-    import torch
-
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def _kernels(fn) -> dict[str, tuple[float, int]]:
@@ -97,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print("graph_profile: needs a CUDA GPU")
         return 2
     from patchdsl.bench.e2e import E2EOptions, _prepare, _step, build_model, make_batches
+    from patchdsl.bench.timing import time_events
     from patchdsl.runtime.graphs import graph_step
 
     eo = E2EOptions(model=o.model, batch=o.batch, seq=o.seq, steps=3, warmup=0, variants=("patchdsl",))
@@ -118,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for _ in range(2):
         _step(model, opt, b, o.batch)
-    eager_ms = _events_ms(lambda: _step(model, opt, b, o.batch))
+    eager_ms = time_events([lambda: _step(model, opt, b, o.batch)], min_reps=5, max_reps=5).ms
     eager_k = _kernels(lambda: _step(model, opt, b, o.batch))
 
     del opt
@@ -133,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     graph_calls = list(calls)
     for _ in range(2):
         step(b)
-    graph_ms = _events_ms(lambda: step(b))
+    graph_ms = time_events([lambda: step(b)], min_reps=5, max_reps=5).ms
     graph_k = _kernels(lambda: step(b))
 
     def summary(cs):
