@@ -1008,6 +1008,22 @@ _X = ("x", "hidden_states", "input", "inp", "h", "X")
 _W = ("w", "weight", "W", "gamma")
 
 
+# the two linear cross entropy families (chunked and mode=fused): entry-point names and shapes
+_LCE_SYNONYMS = {"hidden": ("hidden", "h", "x", "hidden_states", "input", "e", "_input"),
+                 "weight": ("weight", "w", "W", "lm_head_weight", "c", "lin_weight"),
+                 "bias": ("bias", "b", "lm_head_bias"),
+                 "labels": ("labels", "target", "targets", "y")}
+
+
+def _lce_shapes() -> dict[str, list[dict]]:
+    """Fresh lists per family (a family's shapes are its own to change)."""
+    return dict(
+        issue=[{"tokens": 16384, "hidden": 1024, "vocab": 151936},
+               {"tokens": 8192, "hidden": 2304, "vocab": 256000, "label": "8192x2304x256000 (gemma2 head)"}],
+        sweep=[{"tokens": 4096, "hidden": 2048, "vocab": 128256}, {"tokens": 16384, "hidden": 4096, "vocab": 128256}],
+        tiny=[{"tokens": 6, "hidden": 32, "vocab": 300}])
+
+
 def families() -> dict[str, Family]:
     fams: list[Family] = [
         RMSNormFamily(
@@ -1071,28 +1087,14 @@ def families() -> dict[str, Family]:
             "linear_cross_entropy", "fused_linear_cross_entropy", "lm_head matmul + cross entropy",
             ("hidden", "labels"), ("hidden",), ("weight",), ("loss",),
             ("linear_cross_entropy", "fused_linear_cross_entropy"),
-            {"hidden": ("hidden", "h", "x", "hidden_states", "input", "e", "_input"),
-             "weight": ("weight", "w", "W", "lm_head_weight", "c", "lin_weight"),
-             "bias": ("bias", "b", "lm_head_bias"),
-             "labels": ("labels", "target", "targets", "y")}, ("hidden", "weight", "labels"),
-            issue=[{"tokens": 16384, "hidden": 1024, "vocab": 151936},
-                   {"tokens": 8192, "hidden": 2304, "vocab": 256000, "label": "8192x2304x256000 (gemma2 head)"}],
-            sweep=[{"tokens": 4096, "hidden": 2048, "vocab": 128256}, {"tokens": 16384, "hidden": 4096, "vocab": 128256}],
-            tiny=[{"tokens": 6, "hidden": 32, "vocab": 300}], peers=("hf", "compile", "liger", "cce"),
+            _LCE_SYNONYMS, ("hidden", "weight", "labels"), **_lce_shapes(), peers=("hf", "compile", "liger", "cce"),
             target_note="fwd+bwd <= 23 ms and <= 64 MB extra peak at 16384x1024x151936"),
         LinearCrossEntropyFamily(
             "linear_cross_entropy_fused", "fused_linear_cross_entropy",
             "lm_head matmul + cross entropy, mode=fused (logits never in memory; peers: linear_cross_entropy)",
             ("hidden", "labels"), ("hidden",), ("weight",), ("loss",),
             ("linear_cross_entropy", "fused_linear_cross_entropy"),
-            {"hidden": ("hidden", "h", "x", "hidden_states", "input", "e", "_input"),
-             "weight": ("weight", "w", "W", "lm_head_weight", "c", "lin_weight"),
-             "bias": ("bias", "b", "lm_head_bias"),
-             "labels": ("labels", "target", "targets", "y")}, ("hidden", "weight", "labels"),
-            issue=[{"tokens": 16384, "hidden": 1024, "vocab": 151936},
-                   {"tokens": 8192, "hidden": 2304, "vocab": 256000, "label": "8192x2304x256000 (gemma2 head)"}],
-            sweep=[{"tokens": 4096, "hidden": 2048, "vocab": 128256}, {"tokens": 16384, "hidden": 4096, "vocab": 128256}],
-            tiny=[{"tokens": 6, "hidden": 32, "vocab": 300}], peers=(), flags={"mode": "fused"},
+            _LCE_SYNONYMS, ("hidden", "weight", "labels"), **_lce_shapes(), peers=(), flags={"mode": "fused"},
             peers_from="linear_cross_entropy",
             target_note="fwd+bwd <= 23 ms and <= 64 MB extra peak at 16384x1024x151936 (8NHV: 25.8 ms at 790 TFLOP/s)"),
         LinearLogprobsFamily(
