@@ -5,7 +5,6 @@ errors a wrong teacher gets.  Kernel-level coverage (chunks, bf16, beta, tempera
 test_linear_jsd.py."""
 
 import copy
-import math
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import patchdsl
 from patchdsl.posttrain import distill_loss
 
 from .families import tiny_model
+from .kernels.helpers import gjsd_per_token
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="tiny CPU models (GPU: tests/kernels)")
 SPEC = "dtype fp32\nlm_head: Linear -> fused_linear_jsd(beta={beta}, temperature={t}, chunk=8)\n"
@@ -23,13 +23,7 @@ def gjsd(s_logits, t_logits, labels, beta, temperature):
     """TRL GKDTrainer.generalized_jsd_loss (batchmean over labels != -100), written out."""
     s = (s_logits / temperature).log_softmax(-1)
     t = (t_logits / temperature).log_softmax(-1)
-    if beta == 0:
-        jsd = (t.exp() * (t - s)).sum(-1)
-    elif beta == 1:
-        jsd = (s.exp() * (s - t)).sum(-1)
-    else:
-        m = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
-        jsd = beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+    jsd = gjsd_per_token(s, t, beta)
     mask = labels != -100
     return jsd[mask].sum() / mask.sum().clamp(min=1)
 

@@ -599,7 +599,7 @@ def test_stand_in_losses_and_weights_equal_eager_and_the_warm_up_is_undone(stand
     batches = _cpu_batches(4)
     ref, m = _cpu_lm(), _cpu_lm()
     ropt, opt = _cpu_opt(ref), _cpu_opt(m)
-    want = [_eager_step_cpu(ref, ropt, b, micro, clip) for b in batches]
+    want = [_eager_step(ref, ropt, b, micro, clip) for b in batches]
     step = _graphed(m, opt, batches[0], micro_batch=micro, clip_grad_norm=clip, warmup=2)
     assert step.captures == 1 and step.patched_sites == 0
     assert all(torch.count_nonzero(s["step"]) == 0 for s in opt.state.values())    # AdamW state back to zeros
@@ -611,22 +611,6 @@ def test_stand_in_losses_and_weights_equal_eager_and_the_warm_up_is_undone(stand
     assert graph.graph.replays == 4
     assert all(p.grad is g for p, g in zip(m.parameters(), graph.grads))           # the graph's buffers
     assert (step.grad_norm is not None) == (clip is not None)
-
-
-def _eager_step_cpu(model, opt, batch, micro=None, clip=None):
-    rows = batch["input_ids"].shape[0]
-    total = None
-    for a, b in micro_slices(rows, micro):
-        loss = model(**{k: v[a:b] for k, v in batch.items()}).loss
-        if (a, b) != (0, rows):
-            loss = loss * ((b - a) / rows)
-        loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    if clip is not None:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip, foreach=True)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(total)
 
 
 def test_stand_in_a_sync_is_named_by_op_and_line_and_the_model_is_left_as_it_was(stand_in):
@@ -655,7 +639,7 @@ def test_stand_in_shape_policies(stand_in):
     a, b, c = _cpu_batches(1)[0], _cpu_batches(1, rows=2, seed=2)[0], _cpu_batches(1, seed=3)[0]
     ref = _cpu_lm()
     ropt = _cpu_opt(ref)
-    want = [_eager_step_cpu(ref, ropt, x) for x in (a, b, c)]
+    want = [_eager_step(ref, ropt, x) for x in (a, b, c)]
     m = _cpu_lm()
     step = _graphed(m, _cpu_opt(m), a)
     with pytest.raises(GraphStepError, match=r"input_ids: shape \[4, 8\] -> \[2, 8\]; labels: shape \[4, 8\] -> "
@@ -707,7 +691,7 @@ def test_stand_in_forward_backward_only_refuses_accumulation_over_calls(stand_in
     ropt, opt = _cpu_opt(ref), _cpu_opt(m)
     step = _graphed(m, opt, batches[0], optimizer_step=False)
     for b in batches:
-        want = _eager_step_cpu(ref, ropt, b)
+        want = _eager_step(ref, ropt, b)
         assert float(step(b)) == pytest.approx(want, rel=1e-5)
         opt.step()
         opt.zero_grad(set_to_none=True)

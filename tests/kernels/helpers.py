@@ -94,6 +94,20 @@ def assert_kernel_globals_constexpr(mod, min_kernels: int = 1) -> None:
                 f"{name} reads global {g} = {v!r}, which is not a tl.constexpr"
 
 
+def gjsd_per_token(s, t, beta: float):
+    """TRL's generalised JSD per token from student / teacher log-probabilities ``s``, ``t`` (last
+    dimension the vocab): beta 0 = KL(teacher || student), 1 = KL(student || teacher), else
+    beta KL(t || m) + (1 - beta) KL(s || m) with m = beta t + (1 - beta) s."""
+    import math
+
+    if beta == 0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1:
+        return (s.exp() * (s - t)).sum(-1)
+    m = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
+    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+
+
 def ce_reference(x, y, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean",
                num_items=None):
     """Float64 loss with HF's reduction rules (sum / num_items when given), torch's smoothing."""
