@@ -343,6 +343,12 @@ def _run_body(self: Any, a: dict, extra: dict) -> tuple[Any, Any, Any, bool]:
     return outputs, hidden, logits_to_keep, return_dict
 
 
+def _body_fields(outputs: Any, shape: Any) -> dict[str, Any]:
+    """The fields of the model's output class (past_key_values, hidden_states, ...) taken from the
+    decoder body's outputs, as the loss-path forwards return them beside the loss."""
+    return {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None)) for f in shape.output_fields}
+
+
 def slice_hidden(hidden: Any, logits_to_keep: Any) -> Any:
     """The slicing the HF forward applies before lm_head (int: last k, 0 = all; tensors)."""
     import torch
@@ -452,8 +458,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
             logits = _apply_head_post(self.lm_head(hidden), self.config, shape)
             loss = kernels(logits.dtype).cross_entropy(logits.reshape(-1, logits.shape[-1]), shift.reshape(-1),
                                                        num_items)
-        rest = {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None))
-                for f in shape.output_fields}
+        rest = _body_fields(outputs, shape)
         out = shape.output_cls(loss=loss, logits=logits, **rest)
         return out if return_dict else out.to_tuple()
 
@@ -594,8 +599,7 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
         mask = targets != ignore
         denom = mask.sum().clamp(min=1) if num_items is None else num_items
         loss = -lp.sum() / denom
-        rest = {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None))
-                for f in shape.output_fields}
+        rest = _body_fields(outputs, shape)
         if fused:
             out = output_cls(loss=loss, log_probs=lp, entropy=ent, lse=lse, log_sum_sq_probs=lssq,
                              mean_logits=mean, is_top1=top1, label_mask=mask,
@@ -756,8 +760,7 @@ def make_jsd_forward(host: Any, kernels: Callable | None, flags: Mapping[str, An
             loss = reference_jsd(hidden, w, b, h_t, w_t, b_t, targets, num_items, t, beta, ignore)
         else:
             loss = kernels(w.dtype).linear_jsd(hidden, w, b, h_t, w_t, b_t, targets, num_items, t)
-        rest = {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None))
-                for f in shape.output_fields}
+        rest = _body_fields(outputs, shape)
         out = shape.output_cls(loss=loss, logits=None, **rest)
         return out if return_dict else out.to_tuple()
 
