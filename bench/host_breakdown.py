@@ -34,20 +34,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _use_root(argv: list[str]) -> str:
-    """``--root DIR``: import patchdsl (and its templates) from another checkout, e.g. an older
-    commit extracted with ``git archive``, to compare two versions' host code in one process run.
-    The checkout needs ``patchdsl.bench.runner.patchdsl_entry`` (commits from 2026-12-03 on; the
-    r4run3 comparison against c905ac7 ran with this script's earlier version)."""
-    root = ROOT
-    for i, a in enumerate(argv):
-        if a == "--root" and i + 1 < len(argv):
-            root = os.path.abspath(argv[i + 1])
-        elif a.startswith("--root="):
-            root = os.path.abspath(a.split("=", 1)[1])
-    sys.path.insert(0, root)
-    return root
-
 DEFAULT_OPS = ("rmsnorm", "add_rmsnorm", "layernorm", "swiglu", "geglu", "rope", "qk_norm_rope", "linear_cross_entropy")
 
 
@@ -179,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="default bf16 on CUDA, fp32 on the CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check of the script)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--root", default=ROOT, help="the checkout whose patchdsl is measured (default: this one)")
+    ap.add_argument("--root", default=ROOT, help="the checkout whose patchdsl is measured (default: this one; an "
+                    "older checkout needs patchdsl.bench.runner.patchdsl_entry, from 2026-12-03 on)")
     o = ap.parse_args(args)
+    sys.path.insert(0, os.path.abspath(o.root))        # before anything imports patchdsl
     import torch
 
     import patchdsl
@@ -212,5 +200,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    _use_root(sys.argv[1:])
     sys.exit(main())
