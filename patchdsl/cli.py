@@ -426,7 +426,7 @@ def bench(ctx) -> None:
     patchdsl bench specialise  specialised vs generic kernels
     patchdsl bench summary F   print the tables of a results JSON again
     patchdsl bench plot F      plot a results JSON
-    Results go to --json, else $OUT, else the current directory.
+    Results go into --out, else $OUT, else a new bench-results/<command>-<time>/ folder.
     """
     from .bench.cli import run as bench_run
 

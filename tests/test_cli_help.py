@@ -1,6 +1,8 @@
 """Every command and option of the CLI explains itself; bench lists its subcommands."""
 
 import click
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
@@ -42,11 +44,60 @@ def test_bench_help(args, must, capsys):
         assert m in text, (m, text[:2000])
 
 
-def test_bench_results_default_to_the_current_directory(tmp_path, monkeypatch):
+def test_bench_results_never_land_in_the_current_folder_itself(tmp_path, monkeypatch):
+    """--out wins, then $OUT; otherwise a new, named bench-results/<cmd>-<time>/ folder (printed by the command)."""
     from patchdsl.bench import cli as bench_cli
 
     monkeypatch.delenv("OUT", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert bench_cli._out_dir() == tmp_path
+    d = bench_cli._out_dir("ops")
+    assert d.parent == Path("bench-results") and d.name.startswith("ops-") and d.is_dir()
+    assert bench_cli._out_dir("ops", str(tmp_path / "mine")) == tmp_path / "mine"
     monkeypatch.setenv("OUT", str(tmp_path / "o"))
-    assert bench_cli._out_dir() == tmp_path / "o"
+    assert bench_cli._out_dir("e2e") == tmp_path / "o"
+    assert bench_cli._out_dir("e2e", "x") == Path("x")
+
+
+def test_bench_help_shows_no_internal_text_and_no_subcommand_is_exit_2(capsys):
+    from patchdsl.bench.cli import run
+
+    with pytest.raises(SystemExit):
+        main.main(["bench", "--help"], standalone_mode=False, prog_name="patchdsl")
+    text = capsys.readouterr().out
+    for internal in ("forwards its raw args", "the issue's", "required: cmd"):
+        assert internal not in text, internal
+    assert "Exit status" in text and "bench-results" in text
+    assert run([]) == 2
+    assert "say which benchmark" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device,correct,verdicts", [
+    ("cpu", True, {"n/a"}),                       # interpreter times are never judged
+    ("cpu", False, {"n/a", "FAIL"}),              # ... but a wrong result is
+    ("cuda", True, {"PASS"}),
+])
+def test_bench_targets_on_the_cpu_judge_results_not_times(device, correct, verdicts):
+    from patchdsl.bench import report
+
+    r = {"op": "rmsnorm", "label": "6x256", "impl": "patchdsl", "group": "tiny", "status": "ok",
+         "host_fwd_us": 5000.0 if device == "cpu" else 10.0, "fwd_ms": 1.0, "correct": correct, "err_max": 0.5}
+    doc = {"env": {"device": device}, "results": [r]}
+    got = {v for _, _, v in report.target_rows(doc, None) if v != "n/a" or device == "cpu"}
+    assert got == verdicts, report.target_rows(doc, None)
+
+
+def test_bench_plot_line_says_why_there_is_no_png(monkeypatch):
+    import builtins
+
+    from patchdsl.bench import cli as bench_cli
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    assert "matplotlib is not installed" in bench_cli._png_line(None, "x.png")
+    assert bench_cli._png_line("x.png", "x.png") == "plot: x.png"

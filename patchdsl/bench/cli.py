@@ -1,18 +1,21 @@
-"""``patchdsl bench``: per-op and end-to-end benchmarks (the click command forwards its raw args here).
+"""patchdsl bench: per-op and end-to-end GPU benchmarks against HF eager, torch.compile, Liger-Kernel and CCE.
 
-    patchdsl bench ops  [--json F] [--ops rmsnorm,swiglu] [--impls patchdsl,hf,...] [--no-sweep] [--budget S]
+    patchdsl bench ops  [--out DIR] [--json F] [--ops rmsnorm,swiglu] [--impls patchdsl,hf,...] [--no-sweep] [--budget S]
     patchdsl bench e2e  [--model ID] [--spec S]... [--batch 16[,4]] [--variants hf,compile,liger,patchdsl,patchdsl+compile,patchdsl+graphs]
                         [--out DIR] [--name e2e] [--budget S]   # a fresh process per variant
-    patchdsl bench summary FILE.json [FILE.json]   # print the tables (and the issue's targets) again
+    patchdsl bench summary FILE.json [FILE.json]   # print the tables (and the performance targets) again
     patchdsl bench plot FILE.json [FILE.json] --png F
-    patchdsl bench specialise [--json F] [--ops rmsnorm,rope] [--eager] [--budget S]   # specialised vs generic
+    patchdsl bench specialise [--out DIR] [--json F] [--ops rmsnorm,rope] [--eager] [--budget S]   # specialised vs generic
 
-Results go to --json, else to $OUT/ops.json when $OUT is set, else to the current directory (ops);
-e2e writes NAME.json/.txt/.png into --out, else $OUT, else the current directory (never into the
-source tree or the installed package unless a path there is given).
-On a machine without a GPU the default is a tiny CPU run through the Triton interpreter (for
-testing the harness; its times mean nothing).  Exit status: 0, or 1 when a patchdsl kernel's
-result was wrong (relative error over the tolerance), 2 for bad arguments.
+Results go into --out (ops: ops.json, ops.png; e2e: NAME.json, NAME.txt, NAME.png), else $OUT when
+it is set, else a new folder bench-results/<command>-<UTC time>/ under the current directory; the
+folder is printed. --json overrides the JSON's path.
+
+On a machine without a GPU the default is a tiny CPU run through the Triton interpreter: it checks
+every kernel's result against float64, but its times mean nothing, so no timing target is judged.
+
+Exit status: 0; 1 when a patchdsl kernel's result was wrong (relative error over its tolerance);
+2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -24,15 +27,34 @@ import sys
 from pathlib import Path
 
 
-def _out_dir() -> Path:
-    out = os.environ.get("OUT")
-    return Path(out) if out else Path.cwd()
+def _out_dir(cmd: str, out: str | None = None) -> Path:
+    """--out, else $OUT, else a new bench-results/<cmd>-<UTC time>/ here: never the current folder itself."""
+    import time
+
+    if out:
+        d = Path(out)
+    elif os.environ.get("OUT"):
+        d = Path(os.environ["OUT"])
+    else:
+        d = Path("bench-results") / f"{cmd}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def _csv(s: str | None) -> tuple[str, ...] | None:
     if not s:
         return None
     return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def _png_line(written: str | None, wanted: str) -> str:
+    if written:
+        return f"plot: {written}"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"no plot: matplotlib is not installed (pip install 'patchdsl[bench]'), so {wanted} was not written"
+    return f"no plot: nothing to draw, so {wanted} was not written"
 
 
 def _default_device() -> str:
@@ -48,18 +70,20 @@ def _default_device() -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="patchdsl bench", description=__doc__.split("\n\n")[0],
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", metavar="{ops,e2e,specialise,summary,plot}")
 
     o = sub.add_parser("ops", help="per-op benchmarks against HF eager, torch.compile, Liger, CCE")
-    o.add_argument("--json", help="output JSON (default: $OUT/ops.json or ./ops.json)")
+    o.add_argument("--out", help="output folder (default: $OUT, else a new bench-results/ops-<time>/)")
+    o.add_argument("--json", help="output JSON (default: OUT/ops.json)")
     o.add_argument("--png", help="also write a plot here (default: next to the JSON, ops.png)")
     o.add_argument("--no-png", action="store_true")
     o.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     o.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     o.add_argument("--ops", help="comma-separated op families (default: all)")
     o.add_argument("--impls", help="comma-separated: patchdsl,hf,compile,liger,cce (default: all)")
-    o.add_argument("--no-sweep", action="store_true", help="only the issue's shapes")
+    o.add_argument("--no-sweep", action="store_true", help="only the headline shapes, no sweep")
     o.add_argument("--sweep-only", action="store_true", help="only the sweep shapes")
     o.add_argument("--tiny", action="store_true", help="tiny shapes (default on the CPU)")
     o.add_argument("--compile-sweep", action="store_true", help="torch.compile at the sweep shapes too")
@@ -75,8 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="End-to-end training of a causal LM with random weights: tokens/s, step time, "
                                    "host time per step, peak memory and every step's loss, per variant and spec, each "
                                    "in a fresh process. Writes NAME.json, NAME.txt (the table) and NAME.png into "
-                                   "--out (else $OUT, else the current directory).")
-    e.add_argument("--out", help="output folder (default: $OUT, else the current directory)")
+                                   "--out (else $OUT, else a new bench-results/e2e-<time>/).")
+    e.add_argument("--out", help="output folder (default: $OUT, else a new bench-results/e2e-<time>/)")
     e.add_argument("--name", default="e2e", help="file stem of the outputs (default e2e)")
     e.add_argument("--json", help="JSON path (overrides --out/--name for the JSON)")
     e.add_argument("--png")
@@ -150,10 +174,16 @@ def _wrong(ops: dict | None) -> bool:
 
 
 def run(argv: list[str]) -> int:
+    parser = _parser()
     try:
-        a = _parser().parse_args(argv)
+        a = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0) if e.code in (0, None) else 2
+    if a.cmd is None:
+        parser.print_usage(sys.stderr)
+        print("patchdsl bench: say which benchmark: ops, e2e, specialise, summary or plot "
+              "(patchdsl bench --help)", file=sys.stderr)
+        return 2
     from . import report
 
     if a.cmd == "summary":
@@ -172,8 +202,7 @@ def run(argv: list[str]) -> int:
         from .plot import plot
 
         ops, e2e = _load(a.files)
-        p = plot(ops, e2e, a.png)
-        print(p or "no plot (matplotlib missing or nothing to draw)")
+        print(_png_line(plot(ops, e2e, a.png), a.png))
         return 0
 
     device = a.device or _default_device()
@@ -181,13 +210,13 @@ def run(argv: list[str]) -> int:
     if a.cmd == "specialise":
         from .specialise import main as specialise_main
 
-        return specialise_main(a, device, _out_dir())
+        return specialise_main(a, device, _out_dir("specialise", a.out), ops=_csv(a.ops))
     if a.cmd == "ops":
         from .runner import IMPLS, Options, run_ops
 
         tiny = a.tiny or not cuda
         groups = ("tiny",) if tiny else (("sweep",) if a.sweep_only else ("issue",) if a.no_sweep else ("issue", "sweep"))
-        path = a.json or str(_out_dir() / "ops.json")
+        path = a.json or str(_out_dir("ops", a.out) / "ops.json")
         impls = _csv(a.impls) or IMPLS
         bad = [i for i in impls if i not in IMPLS]
         if bad:
@@ -202,10 +231,12 @@ def run(argv: list[str]) -> int:
         except ValueError as ex:
             print(str(ex), file=sys.stderr)
             return 2
+        png_line = None
         if not a.no_png:
             from .plot import plot
 
-            plot(doc, None, a.png or str(Path(path).with_suffix(".png")))
+            png = a.png or str(Path(path).with_suffix(".png"))
+            png_line = _png_line(plot(doc, None, png), png)
         if report.sweep_summary(doc):
             print(report.sweep_summary(doc))
         print(report.ops_summary(doc))
@@ -213,7 +244,13 @@ def run(argv: list[str]) -> int:
         if t:
             print(t)
         print(f"results: {path}")
-        return 1 if _wrong(doc) else 0
+        if png_line:
+            print(png_line)
+        if _wrong(doc):
+            print("patchdsl bench: a patchdsl kernel's result was wrong (err over its tolerance; see the table)",
+                  file=sys.stderr)
+            return 1
+        return 0
     if a.cmd == "e2e":
         from .e2e import E2EOptions, plan_rows, run_e2e
 
@@ -223,8 +260,11 @@ def run(argv: list[str]) -> int:
         except ValueError:
             print(f"--batch: expected integers separated by commas, got {a.batch!r}", file=sys.stderr)
             return 2
-        out = Path(a.out) if a.out else Path(os.environ.get("OUT") or Path.cwd())
-        path = a.json or str(out / f"{a.name}.json")
+        if a.json:
+            path = a.json
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        else:
+            path = str(_out_dir("e2e", a.out) / f"{a.name}.json")
         o = E2EOptions(device=device, model=a.model, specs=tuple(a.spec or ()),
                        dtype=a.dtype or ("fp32" if tiny and not cuda else "bf16"),
                        batch=batches[0], batches=batches, seq=a.seq or (16 if tiny else 2048),
@@ -240,16 +280,20 @@ def run(argv: list[str]) -> int:
             print(f"patchdsl bench e2e: {ex}", file=sys.stderr)
             return 2
         doc = run_e2e(o)
+        png_line = None
         if not a.no_png and not doc.get("terminated"):      # a terminated run has seconds left: JSON and table only
             from .plot import plot
 
-            plot(None, doc, a.png or str(Path(path).with_suffix(".png")))
+            png = a.png or str(Path(path).with_suffix(".png"))
+            png_line = _png_line(plot(None, doc, png), png)
         text = report.e2e_summary(doc)
         t = report.targets_summary(None, doc)
         if t:
             text += "\n" + t
         Path(path).with_suffix(".txt").write_text(text + "\n")
         print(text)
-        print(f"results: {path} (+ .txt, .png)")
+        print(f"results: {path} (+ {Path(path).with_suffix('.txt').name})")
+        if png_line:
+            print(png_line)
         return 0
     return 2

@@ -500,7 +500,8 @@ def table(doc: dict) -> str:
 # ----------------------------------------------------------------------------- CLI (called from .cli)
 def add_parser(sub) -> None:
     s = sub.add_parser("specialise", help="each specialised kernel vs the generic (looped/masked) form of the same op")
-    s.add_argument("--json", help="output JSON (default: $OUT/specialise.json or ./specialise.json)")
+    s.add_argument("--out", help="output folder (default: $OUT, else a new bench-results/specialise-<time>/)")
+    s.add_argument("--json", help="output JSON (default: OUT/specialise.json)")
     s.add_argument("--txt", help="also write the summary table here (default: next to the JSON, .txt)")
     s.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -514,14 +515,13 @@ def add_parser(sub) -> None:
     s.add_argument("--quiet", action="store_true")
 
 
-def main(a, device: str, out_dir) -> int:
+def main(a, device: str, out_dir, ops: tuple[str, ...] | None = None) -> int:
+    """``a``: the parsed arguments; ``ops``: the op families asked for (parsed by the caller)."""
     from pathlib import Path
-
-    from .cli import _csv
 
     path = a.json or str(Path(out_dir) / "specialise.json")
     txt = a.txt or str(Path(path).with_suffix(".txt"))
-    o = Options(txt_path=txt, device=device, dtype=a.dtype, ops=_csv(a.ops), tiny=a.tiny or not timing.is_cuda(device),
+    o = Options(txt_path=txt, device=device, dtype=a.dtype, ops=ops, tiny=a.tiny or not timing.is_cuda(device),
                 eager=a.eager, tune=a.tune, budget_s=a.budget, target_ms=a.target_ms, json_path=path, seed=a.seed, quiet=a.quiet)
     try:
         doc = run_specialise(o)
