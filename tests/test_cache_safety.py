@@ -306,6 +306,8 @@ FILE_PLANTS = [
     ("symlink_to_a_good_copy", _plant_symlink_to_copy, "is a symbolic link"),
     ("symlink_to_planted_code", _plant_symlink_to_evil, "is a symbolic link"),
     ("fifo", _plant_fifo, "not a regular file"),
+    ("good_text_then_more", lambda p, m, mp: p.write_text(p.read_text() + _evil(m)), "longer than what this version renders"),
+    ("latin1_bytes", lambda p, m, mp: p.write_bytes(p.read_bytes()[:-1] + b"\xe9"), "not UTF-8 text"),
 ]
 
 

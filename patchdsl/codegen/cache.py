@@ -238,7 +238,7 @@ def read_checked(path: Path, expected: str | None = None) -> tuple[str | None, s
     """Read a kernel file once and check it: ``(text, None)`` when it is a regular file (not a
     link) owned by this user, not writable by group or others, UTF-8, with a matching sha256 line
     (and equal to ``expected`` when given); else ``(None, what is wrong)``.  FileNotFoundError
-    when there is no file; other OSErrors for a folder that cannot be read."""
+    when there is no file.  With ``expected``, no more than its length (+1) is read."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
@@ -257,16 +257,20 @@ def read_checked(path: Path, expected: str | None = None) -> tuple[str | None, s
             return None, f"it is owned by uid {st.st_uid}, not by you (uid {uid})"
         if st.st_mode & 0o022:
             return None, f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
+        limit = len(expected.encode()) + 1 if expected is not None else None
+        chunks, n = [], 0
+        while limit is None or n < limit:
+            b = os.read(fd, 1 << 20 if limit is None else min(1 << 20, limit - n))
             if not b:
                 break
             chunks.append(b)
+            n += len(b)
     except OSError as e:
         return None, f"it cannot be read ({_reason(e)})"
     finally:
         os.close(fd)
+    if limit is not None and n >= limit:
+        return None, "it is longer than what this version renders for the key"
     try:
         text = b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError:
