@@ -64,6 +64,91 @@ def late_interpreter() -> int:
     return len(moved)
 
 
+# ------------------------------------------------------------------ fp32 -> bf16 rounding
+# Triton's interpreter (3.6 to 3.9 at least) converts fp32 to bf16 by dropping the low 16 bits
+# (InterpreterBuilder.cast_impl -> _convert_float(..., rounding_mode=None)): truncation towards
+# zero, where the GPU's fptrunc (cvt.rn.bf16.f32) rounds to nearest even.  Every bf16 store of a
+# kernel (``tl.store(p, y.to(p.dtype.element_ty))``, the implicit cast of ``tl.store`` and bf16
+# constants) goes through that cast, so under the interpreter bf16 outputs were biased towards
+# zero.  round_bf16_like_gpu() replaces that one conversion (fp32 -> bf16 through cast_impl)
+# with round to nearest even; every other cast, and explicit ``fp_downcast_rounding`` modes
+# (create_fp_to_fp), are left to Triton.
+BF16_FIX_VERSIONS = ((3, 6), (4, 0))      # [from, to): the interpreter API this fix is written for
+_bf16_fixed = False
+
+
+def interpreter_on() -> bool:
+    """Whether Triton runs interpreted (TRITON_INTERPRET as Triton reads it: 1 / true / on)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
+
+
+def f32_to_bf16_rne(data):
+    """The bf16 bit patterns (uint16) of float32 ``data``, rounded to nearest, ties to even, as
+    the GPU and ``torch.Tensor.to(torch.bfloat16)`` do; NaN stays NaN (quiet), overflow is inf."""
+    import numpy as np
+
+    a = np.array(data, dtype=np.float32, copy=True)
+    u = a.view(np.uint32)
+    with np.errstate(over="ignore"):
+        r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        r = np.where(nan, ((u >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16), r)
+    return r
+
+
+def _version(v: str) -> tuple[int, int]:
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", v)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _truncates(cast_impl, builder, TensorHandle, tl) -> bool:
+    """Probe: does ``cast_impl`` turn fp32 into bf16 by truncation?  (False if it already rounds.)"""
+    import numpy as np
+
+    bits = np.array([0x3F808001, 0x3F818000, 0x3F808000, 0xBF808001], dtype=np.uint32)   # above half, ties
+    src = TensorHandle(bits.view(np.float32), tl.float32)
+    got = np.asarray(cast_impl(builder, src, tl.bfloat16).data).view(np.uint16)
+    return not np.array_equal(got, f32_to_bf16_rne(bits.view(np.float32)))
+
+
+def round_bf16_like_gpu() -> bool:
+    """Make the interpreter's fp32 -> bf16 conversion round to nearest even (once per process).
+    Only on a triton in BF16_FIX_VERSIONS whose conversion is found to truncate; True when the
+    conversion rounds to nearest even afterwards.  Called by ``codegen.env.ensure_triton`` when
+    the interpreter is on; never on a GPU."""
+    global _bf16_fixed
+    if _bf16_fixed:
+        return True
+    try:
+        import triton
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except Exception:  # pragma: no cover - no triton
+        return False
+    cls, TensorHandle = getattr(ti, "InterpreterBuilder", None), getattr(ti, "TensorHandle", None)
+    orig = getattr(cls, "cast_impl", None)
+    lo, hi = BF16_FIX_VERSIONS
+    if orig is None or TensorHandle is None or not lo <= _version(triton.__version__) < hi:
+        return False
+    builder = getattr(ti, "interpreter_builder", None) or cls()
+    if not _truncates(orig, builder, TensorHandle, tl):
+        _bf16_fixed = True                  # this triton rounds already
+        return True
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return TensorHandle(f32_to_bf16_rne(src.data), dst_type.scalar)
+        return orig(self, src, dst_type)
+
+    cast_impl.__wrapped__ = orig
+    cls.cast_impl = cast_impl
+    _bf16_fixed = not _truncates(cls.cast_impl, builder, TensorHandle, tl)
+    return _bf16_fixed
+
+
 def early_interpreter() -> None:
     """Called on ``import patchdsl``: the interpreter when there is no GPU, whatever was imported first."""
     import sys

@@ -39,4 +39,8 @@ def ensure_triton():
             os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
+    from .._interp import interpreter_on, round_bf16_like_gpu
+
+    if interpreter_on():
+        round_bf16_like_gpu()               # bf16 stores round to nearest even, as on the GPU
     return triton

@@ -12,7 +12,7 @@ from patchdsl.ops.base import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.runtime import PatchError, patch_module
 
-from .helpers import assert_kernel_globals_constexpr, DEVICE, ON_GPU, TORCH_DTYPES, assert_close, kernel_for, sizes
+from .helpers import assert_kernel_globals_constexpr, DEVICE, TORCH_DTYPES, assert_close, kernel_for, sizes
 
 OP = "fused_rmsnorm"
 DTYPES = ["fp32", "bf16", "fp16"]
@@ -39,12 +39,9 @@ def _inputs(rows, hidden, dtype, seed=0, scale=1.0):
 
 
 def to_bf16_as_triton(t):
-    """fp32 -> bf16 the way the kernel's casts round: to nearest even on the GPU; the Triton
-    interpreter truncates (checked on triton 3.9), so emulate that on the CPU."""
-    if ON_GPU:
-        return t.to(torch.bfloat16)
-    bits = t.float().contiguous().view(torch.int32) & ~0xFFFF
-    return bits.view(torch.float32).to(torch.bfloat16)
+    """fp32 -> bf16 the way the kernel's casts round: to nearest even, on the GPU and (patchdsl's
+    fix of its truncation, tests/test_bf16_rounding.py) under the interpreter."""
+    return t.float().to(torch.bfloat16)
 
 
 def _facts(hidden, eps=1e-6, offset=0.0, casting="llama"):
@@ -245,9 +242,8 @@ def test_patched_module_matches_hf(name, dtype):
     for o, r, what in zip(out, ref, ("y", "dx", "dw")):
         assert o.dtype == r.dtype, what
         assert_close(o, r, dtype, f"{name} {what}")
-    if dtype == "bf16" and ON_GPU:
-        # same cast order as HF: the forward is (nearly) bit-identical (the interpreter
-        # truncates bf16 casts, so only on the GPU)
+    if dtype == "bf16":
+        # same cast order as HF and the same rounding: the forward is (nearly) bit-identical
         assert (out[0] == ref[0]).float().mean().item() > 0.99
 
 
