@@ -341,7 +341,7 @@ def _read_head(fn: ast.AST, name: str) -> tuple[list[tuple[str, str, str]], str 
         if any(not isinstance(t, ast.Name) and any(isinstance(x, ast.Name) and x.id in touches
                                                        for x in ast.walk(t)) for t in targets):
             return bad(n)                          # logits[...] = ..., hidden_states.x = ...
-        if len(names) == 1 and value is not None and _src(value) in KNOWN_SOFTCAPS | set(KNOWN_SCALARS):
+        if len(names) == 1 and value is not None and _src(value) in set(KNOWN_SOFTCAPS) | set(KNOWN_SCALARS):
             aliases[names[0]] = _src(value)        # cap = self.config.logits_soft_cap
             continue
         if not set(names) & touches or value is None:
@@ -804,7 +804,7 @@ def fused_output_cls() -> type:
     logits (these three carry gradients); ``log_sum_sq_probs`` log sum p^2, ``mean_logits`` the
     mean temperature-scaled logit, ``is_top1`` whether the label is the argmax, ``label_mask``
     label != ignore_index (no gradient).  ``loss`` = -sum(log_probs) / num_items_in_batch (the
-    number of labels that are not ignored when not given).
+    number of labels that are not ignored when not given; NaN when all are ignored, as HF's loss).
     """
     if not _FUSED_OUTPUT:
         import dataclasses
@@ -888,7 +888,7 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
         t = temperature if fused else 1.0
         lp, ent, lse, mean, lssq, top1 = mod.linear_logprobs(hidden, w, b, targets, t)
         mask = targets != ignore
-        denom = mask.sum().clamp(min=1) if num_items is None else num_items
+        denom = mask.sum() if num_items is None else num_items     # all ignored: NaN (0 / 0), as HF
         loss = -lp.sum() / denom
         rest = _body_fields(outputs, shape)
         if fused:
