@@ -13,6 +13,13 @@ from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
 from .common import next_pow2, row_warps
 
+# Every loss kernel that reads class labels checks them as torch's cross_entropy does (patchdsl/codegen/labels.py).
+LABEL_CHECK_FLAG = FlagSpec(
+    "check_labels", "bool", True,
+    "a label neither ignore_index nor in [0, vocab) raises IndexError (CPU) or trips a device-side assert (GPU, no "
+    "host sync), as HF's unpatched loss does; false = no check (an out-of-bounds label then gives an unspecified "
+    "finite loss): only for measuring the check's cost")
+
 LOSS_FLAGS = (
     FlagSpec("ignore_index", "int", -100, "label value that contributes no loss (HF: -100)"),
     FlagSpec("label_smoothing", "float", 0.0, "mix eps of the uniform distribution into the target (torch semantics)",
@@ -26,6 +33,7 @@ LOSS_FLAGS = (
     FlagSpec("programs_per_sm", "int", "auto",
              "0: one program per row; k > 0: a persistent grid of k programs per SM walking the rows "
              "(keeps the rows in flight in L2 between the two passes); auto = 0 (measured faster)", auto_ok=True, min=0),
+    LABEL_CHECK_FLAG,
 )
 
 INTERP_BLOCK = 1024          # the interpreter's row block cap (as common.row_block)
@@ -62,7 +70,9 @@ def ce_block(vocab: int, flags: Mapping[str, Any], target: str) -> tuple[int, bo
 
 
 def loss_params(vocab: int, flags: Mapping[str, Any], dtype: str, target: str, softcap: float | None,
-                logits_scaling: float | None) -> dict[str, Any]:
+                logits_scaling: float | None, logit_multiplier: float | None = None) -> dict[str, Any]:
+    """The kernel parameters of the loss row kernel.  z = softcap(x * logit_multiplier / logits_scaling):
+    the scalings the model's forward applies between its lm_head and its loss (loss_path.head_transform)."""
     block, single, warps = ce_block(vocab, flags, target)
     rows = 1 if target == "interpreter" or vocab > 2048 else (4 if vocab <= 512 else 2)
     # auto: one program per row.  H200, bf16, 16384 x 151936, fwd+bwd: 3.66 ms, vs 4.69 ms with a
@@ -77,7 +87,8 @@ def loss_params(vocab: int, flags: Mapping[str, Any], dtype: str, target: str, s
         "n_tiles": -(-vocab // block), "num_warps": warps, "rows_per_program": rows,
         "programs_per_sm": int(pps),
         "ignore_index": int(flags.get("ignore_index", -100)), "label_smoothing": eps, "z_loss": z,
-        "softcap": softcap, "logits_scaling": logits_scaling, "reduction": flags.get("reduction", "mean"),
+        "softcap": softcap, "logits_scaling": logits_scaling, "logit_multiplier": logit_multiplier,
+        "check_labels": bool(flags.get("check_labels", True)), "reduction": flags.get("reduction", "mean"),
         "target": target, "tag": f"v{vocab}",
     }
 
@@ -89,6 +100,8 @@ def loss_kernel_name(op: str, params: Mapping[str, Any]) -> str:
     parts += [f"v{params['vocab']}", params["reduction"]]
     if params.get("softcap"):
         parts.append(f"softcap{num_tag(params['softcap'])}")
+    if params.get("logit_multiplier"):
+        parts.append(f"mul{num_tag(params['logit_multiplier'])}")
     if params.get("logits_scaling"):
         parts.append(f"scale{num_tag(params['logits_scaling'])}")
     if params.get("label_smoothing"):
@@ -97,6 +110,8 @@ def loss_kernel_name(op: str, params: Mapping[str, Any]) -> str:
         parts.append(f"z{num_tag(params['z_loss'])}")
     if params.get("ignore_index", -100) != -100:
         parts.append(f"ign{num_tag(params['ignore_index'])}")
+    if not params.get("check_labels", True):
+        parts.append("nocheck")
     parts.append(params.get("target", "cuda"))
     return "_".join(str(p) for p in parts)
 

@@ -268,9 +268,19 @@ def causal_lm(m: Any) -> dict | None:
     if lin is None:
         return None
     tie = getattr(cfg, "tie_word_embeddings", False)
+    # what the forward does to the logits, read from its source (loss_path.head_transform); a forward
+    # the loss ops cannot reproduce keeps the config's values (the loss ops' check refuses it)
+    from .loss_path import head_transform
+    try:
+        t, _ = head_transform(m)
+    except Exception:          # pragma: no cover - a forward whose source cannot be read or parsed
+        t = None
+    if t is None:
+        t = {"softcap": getattr(cfg, "final_logit_softcapping", None),
+             "logits_scaling": getattr(cfg, "logits_scaling", None), "logit_multiplier": None}
     return {"vocab": int(lin.out_features), "hidden": int(lin.in_features), "bias": lin.bias is not None,
-            "softcap": getattr(cfg, "final_logit_softcapping", None),
-            "logits_scaling": getattr(cfg, "logits_scaling", None), "tied": bool(tie)}
+            "softcap": t["softcap"], "logits_scaling": t["logits_scaling"],
+            "logit_multiplier": t["logit_multiplier"], "tied": bool(tie)}
 
 
 @kind("Linear", "an nn.Linear (or a PEFT layer wrapping one)")

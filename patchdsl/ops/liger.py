@@ -220,9 +220,10 @@ class LigerFusedLinearCrossEntropy(LigerOp, FusedLinearCrossEntropy):
                 "softcap": resolve_softcap(flags, info.facts("CausalLM"))}
 
     def check(self, module, info, flags):
+        from .loss_path import resolve_multiplier, resolve_scaling
         f = info.facts("CausalLM")
-        if f and f.get("logits_scaling"):
-            return "the model scales its logits (logits_scaling); Liger's fused loss does not"
+        if f and (resolve_scaling(f) or resolve_multiplier(f)):
+            return "the model scales its logits (logits_scaling / a logit multiplier); Liger's fused loss does not"
         return super().check(module, info, flags)
 
 

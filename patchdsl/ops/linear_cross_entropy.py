@@ -188,13 +188,13 @@ class ChunkedHeadOp(Op):
         return "_".join(str(p) for p in parts)
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .loss_path import host_reason
+        from .loss_path import host_reason, transforms_logits
         f = info.facts("CausalLM")
         if not f:
             return "no enclosing causal LM (a module with model, lm_head and config) was found"
-        if f.get("softcap") or f.get("logits_scaling") not in (None, 1, 1.0):
-            return ("the model transforms its logits (final_logit_softcapping / logits_scaling), which "
-                    f"{self.name} does not reproduce")
+        what = transforms_logits(f)
+        if what:
+            return f"the model's forward transforms its logits ({what}), which {self.name} does not reproduce"
         if hasattr(module, "lm_head") and hasattr(module, "model"):
             return host_reason(module, info, flags, self.name)
         return lm_head_linear_reason(module, info, f)
@@ -228,10 +228,11 @@ class FusedLinearCrossEntropy(Op):
         return causal_lm_host(info, index)
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
-        from .loss_path import resolve_scaling, resolve_softcap
+        from .loss_path import resolve_multiplier, resolve_scaling, resolve_softcap
         facts = info.facts("CausalLM")
         vocab, hidden, bias = head_sizes(info)
-        p = loss_params(vocab, flags, dtype, target, resolve_softcap(flags, facts), resolve_scaling(facts))
+        p = loss_params(vocab, flags, dtype, target, resolve_softcap(flags, facts), resolve_scaling(facts),
+                        resolve_multiplier(facts))
         chunk, acc = chunk_params(vocab, hidden, flags, dtype, target)
         p.update({"hidden": hidden, "w_dtype": dtype, "bias": bias, "chunk": chunk, "accumulate": acc})
         p.update(fused_params(flags, dtype, target))

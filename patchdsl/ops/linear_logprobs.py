@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .base import FlagSpec
+from .cross_entropy import LABEL_CHECK_FLAG
 from .linear_cross_entropy import CHUNK_FLAGS, ChunkedHeadOp
 from .registry import register
 
@@ -39,7 +40,14 @@ class FusedLinearLogprobs(ChunkedHeadOp):
         *CHUNK_FLAGS,
         FlagSpec("block", "int", "auto", "row block in elements (power of two); auto = by vocab size",
                  auto_ok=True, min=16),
+        LABEL_CHECK_FLAG,
     )
+
+    def extra_params(self, flags):
+        return {"check_labels": bool(flags.get("check_labels", True))}
+
+    def name_tags(self, params):
+        return [] if params.get("check_labels", True) else ["nocheck"]
 
     def make_forward(self, module, kernels, flags, info):
         from .loss_path import make_logprobs_forward

@@ -19,17 +19,26 @@ nearest ancestor with the ``CausalLM`` kind, the root ``""`` for Hugging Face mo
 
 Semantics follow ``transformers.loss.loss_utils.ForCausalLMLoss``: labels shifted left by one
 with ``ignore_index`` padding at the end (or ``shift_labels`` used as given), fp32 loss math,
-``sum / num_items_in_batch`` when that is given, else the mean over labels that are not ignored.
-Two documented differences: a batch whose labels are all ignored gives loss 0 (HF: NaN), and a
-call with ``shift_labels`` but no ``labels`` gets a loss (HF computes one only when ``labels`` is
-given).
+``sum / num_items_in_batch`` when that is given, else the mean over labels that are not ignored
+(all ignored: NaN, as HF; ``num_items_in_batch=0``: inf/NaN, as HF), labels of a dtype torch's
+cross_entropy refuses are refused, and a label out of bounds raises IndexError on the CPU and
+trips a device-side assert on the GPU (``patchdsl/codegen/labels.py``).  One documented
+difference: a call with ``shift_labels`` but no ``labels`` gets a loss (HF computes one only when
+``labels`` is given).
+
+What the forward does between the decoder body's last hidden state and the loss is read from its
+source (:func:`head_transform`, :func:`_read_head`): slicing by ``logits_to_keep``, dtype casts, the lm_head call, and the
+scalings of :data:`KNOWN_SCALARS` / :data:`KNOWN_SOFTCAPS` (Granite's ``logits_scaling``,
+Cohere's ``logit_scale``, Falcon-H1's ``lm_head_multiplier``, MiniCPM3's hidden-state scaling,
+Gemma's ``final_logit_softcapping``, ...) are reproduced by the fused loss; any other statement
+that computes the logits, the hidden states they come from or the loss refuses the site, naming it.
 
 What a host must look like (checked, one-line refusal otherwise): ``self.model``, a plain
 ``nn.Linear`` ``lm_head`` (PEFT's ModulesToSaveWrapper is unwrapped; a LoRA-wrapped lm_head is
 refused because its delta lives in its forward), the standard ``ForCausalLMLoss``, and a forward
 whose source calls ``self.lm_head(`` and ``self.loss_function(``, passes its own arguments through
 to ``self.model`` by name, and reads nothing else from ``self`` or ``self.config`` than what the
-fused loss reproduces (vocab_size, final_logit_softcapping, logits_scaling).
+fused loss reproduces (vocab_size and the scalings of :data:`KNOWN_SCALARS` / :data:`KNOWN_SOFTCAPS`).
 """
 
 from __future__ import annotations
@@ -45,8 +54,25 @@ from .common import signature_binder
 from .kinds import linear_like, unwrap
 
 # What the patched forward may see the original forward read from ``self`` / ``self.config``.
-SELF_ATTRS = {"model", "lm_head", "loss_function", "config", "vocab_size", "training"}
+# The scalars a causal LM's forward may scale by between its decoder body and its loss (as source
+# text), each with the config attribute it mirrors (for messages; the value is read from the live
+# model at plan and install time).  Whether it multiplies or divides, and the logits or the
+# hidden states, is read from the forward's source (_read_head): HyperCLOVAX multiplies by the
+# `logits_scaling` Granite divides by.
+KNOWN_SCALARS = {
+    "self.config.logits_scaling": "logits_scaling",           # Granite* (logits / s), MiniCPM3 (hidden / s), HyperCLOVAX (logits * s)
+    "self.logit_scale": "logit_scale",                        # Cohere, Cohere2 (logits * s; set from config.logit_scale)
+    "self.model.lm_head_multiplier": "lm_head_multiplier",    # Falcon-H1 (lm_head(h) * m; set from config.lm_head_multiplier)
+    "self.config.logits_mup_width_multiplier": "logits_mup_width_multiplier",   # Inkling (hidden / m)
+}
+# tanh softcapping cap * tanh(logits / cap), skipped when the value is None
+KNOWN_SOFTCAPS = {
+    "self.config.final_logit_softcapping": "final_logit_softcapping",   # Gemma 2/3/3n/4, VaultGemma, NanoChat, Beam
+    "self.config.logits_soft_cap": "logits_soft_cap",                   # RecurrentGemma
+}
+SELF_ATTRS = {"model", "lm_head", "loss_function", "config", "vocab_size", "training", "logit_scale"}
 CONFIG_ATTRS = {"vocab_size", "final_logit_softcapping", "logits_scaling", "use_return_dict", "return_dict",
+                "logits_soft_cap", "logits_mup_width_multiplier",
                 "output_attentions", "output_hidden_states", "use_cache",
                 # read only for warnings by some transformers versions' forwards
                 "_attn_implementation", "rope_scaling", "original_max_position_embeddings"}
@@ -91,11 +117,33 @@ def hidden_of(info: ModuleInfo) -> int:
 
 
 def resolve_scaling(facts: Mapping[str, Any]) -> float | None:
-    """Granite's logits_scaling (logits / s); None when absent or 1."""
+    """The divisor of the logits the forward applies (Granite's logits_scaling); None when absent or 1."""
     v = facts.get("logits_scaling") if facts else None
     if v is None or float(v) == 1.0:
         return None
     return float(v)
+
+
+def resolve_multiplier(facts: Mapping[str, Any]) -> float | None:
+    """The multiplier of the logits the forward applies (Cohere's logit_scale, Falcon-H1's
+    lm_head_multiplier); None when absent or 1."""
+    v = facts.get("logit_multiplier") if facts else None
+    if v is None or float(v) == 1.0:
+        return None
+    return float(v)
+
+
+def transforms_logits(facts: Mapping[str, Any]) -> str | None:
+    """What the model's forward does to its logits per the CausalLM facts (for the refusals of ops
+    that take the logits as they are), or None when nothing."""
+    parts = []
+    if facts and facts.get("softcap"):
+        parts.append(f"softcapping {facts['softcap']:g}")
+    if resolve_multiplier(facts):
+        parts.append(f"a multiplier {facts['logit_multiplier']:g}")
+    if resolve_scaling(facts):
+        parts.append(f"a divisor {facts['logits_scaling']:g}")
+    return " and ".join(parts) or None
 
 
 def resolve_softcap(flags: Mapping[str, Any], facts: Mapping[str, Any]) -> float | None:
@@ -119,20 +167,31 @@ class ForwardShape:
         self.sig = inspect.signature(self.func)
         self.var_kw = next((p.name for p in self.sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
         self.output_cls: Any = None
-        self.applies_softcap = False
-        self.applies_scaling = False
+        # what the forward does between the body's hidden states and the loss: ("hidden" | "logits",
+        # "mul" | "div", source) and ("logits", "softcap", source), in order (see _read_head)
+        self.steps: list[tuple[str, str, str]] = []
         try:
             src = textwrap.dedent(inspect.getsource(self.func))
         except (OSError, TypeError):
             self.reason = f"the source of {cls.__name__}.forward is not available to check"
             return
-        self.applies_softcap = "final_logit_softcapping" in src
-        self.applies_scaling = "logits_scaling" in src
         if "self.lm_head(" not in src or "self.loss_function(" not in src:
             self.reason = (f"{cls.__name__}.forward does not call self.lm_head( and self.loss_function(; "
                            "its loss cannot be reproduced")
             return
-        self.reason = self._analyse(ast.parse(src))
+        tree = ast.parse(src)
+        self.reason = self._analyse(tree) or self._head(tree)
+
+    @property
+    def applies_softcap(self) -> bool:
+        return any(k == "softcap" for _, k, _ in self.steps)
+
+    def _head(self, tree: ast.Module) -> str | None:
+        """Read the steps between the decoder body and the loss into ``self.steps``; the reason
+        when one of them is not a step the fused loss reproduces."""
+        steps, why = _read_head(tree.body[0], self.cls.__name__)
+        self.steps = steps
+        return why
 
     def _analyse(self, tree: ast.Module) -> str | None:
         name = self.cls.__name__
@@ -188,6 +247,229 @@ class ForwardShape:
         return None
 
 
+def _src(node: ast.AST) -> str:
+    return ast.unparse(node)
+
+
+def _strip_casts(e: ast.expr) -> ast.expr:
+    """``x.float()`` / ``x.to(...)`` / ``x.contiguous()`` -> ``x`` (the loss is fp32 math anyway)."""
+    while (isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute)
+           and e.func.attr in ("float", "to", "contiguous")):
+        e = e.func.value
+    return e
+
+
+def _is_hidden(e: ast.expr) -> bool:
+    """``hidden_states`` or ``hidden_states[:, slice_indices, :]`` (HF's logits_to_keep slicing)."""
+    e = _strip_casts(e)
+    if isinstance(e, ast.Name) and e.id == "hidden_states":
+        return True
+    return (isinstance(e, ast.Subscript) and isinstance(e.value, ast.Name) and e.value.id == "hidden_states"
+            and _src(e.slice).replace(" ", "") in ("(:,slice_indices,:)", ":,slice_indices,:"))
+
+
+def _is_body_output(e: ast.expr) -> bool:
+    """``outputs.last_hidden_state`` / ``outputs[0]`` (any name), or that sliced by logits_to_keep."""
+    e = _strip_casts(e)
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id == "slice_logits_to_keep" and e.args:
+        e = _strip_casts(e.args[0])
+    if isinstance(e, ast.Attribute) and e.attr == "last_hidden_state" and isinstance(e.value, ast.Name):
+        return True
+    return (isinstance(e, ast.Subscript) and isinstance(e.value, ast.Name) and isinstance(e.slice, ast.Constant)
+            and e.slice.value == 0)
+
+
+def _scale_of(e: ast.expr, aliases: Mapping[str, str]) -> tuple[str, ast.expr, str] | None:
+    """``X * S`` / ``X / S`` (``S * X`` too) with S a known scalar -> ("mul" | "div", X, source of S)."""
+    e = _strip_casts(e)
+    if not isinstance(e, ast.BinOp) or not isinstance(e.op, (ast.Mult, ast.Div)):
+        return None
+    for x, sc in ((e.left, e.right), (e.right, e.left)) if isinstance(e.op, ast.Mult) else ((e.left, e.right),):
+        src = aliases.get(sc.id, "") if isinstance(sc, ast.Name) else _src(_strip_casts(sc))
+        if src in KNOWN_SCALARS or src in KNOWN_SOFTCAPS:
+            return ("mul" if isinstance(e.op, ast.Mult) else "div"), x, src
+    return None
+
+
+def _is_tanh(e: ast.expr) -> ast.expr | None:
+    e = _strip_casts(e)
+    if isinstance(e, ast.Call) and _src(e.func) in ("torch.tanh", "nn.functional.tanh", "F.tanh",
+                                                    "torch.nn.functional.tanh") and len(e.args) == 1:
+        return e.args[0]
+    return None
+
+
+def _read_head(fn: ast.AST, name: str) -> tuple[list[tuple[str, str, str]], str | None]:
+    """The steps of ``fn`` (a causal LM's forward) from its body's output to its loss.
+
+    Every assignment to ``hidden_states``, to the variable the lm_head call is assigned to and to
+    ``loss`` after the ``self.model(...)`` call must be one of: the body's last hidden state,
+    HF's logits_to_keep slicing, ``lm_head(hidden_states)`` (a dtype cast around it is fine), a
+    multiplication or division by a known scalar, the known tanh softcapping, ``loss = None`` and
+    ``loss = self.loss_function(<logits>, ...)``; anything else is the reason returned.
+    """
+    body_line = min((n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and _src(n.func) == "self.model"),
+                    default=None)
+    if body_line is None:
+        return [], f"{name}.forward does not call self.model"
+    stmts = sorted((n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                    and n.lineno > body_line), key=lambda n: (n.lineno, n.col_offset))
+    head = next((n for n in stmts if any(isinstance(c, ast.Call) and _src(c.func) == "self.lm_head"
+                                         for c in ast.walk(n.value))), None)
+    if head is None or not isinstance(head, ast.Assign) or len(head.targets) != 1 \
+            or not isinstance(head.targets[0], ast.Name):
+        return [], f"{name}.forward does not assign self.lm_head(...) to a variable"
+    lv = head.targets[0].id
+    steps: list[tuple[str, str, str]] = []
+    aliases: dict[str, str] = {}
+    pending_cap: str | None = None       # "logits / cap" seen, waiting for tanh and "* cap"
+    stage = 0                            # 0 before the lm_head, 1 after it, 2 after the softcap
+
+    def bad(n: ast.AST, why: str = "") -> tuple[list, str]:
+        return steps, (f"{name}.forward computes `{_src(n)}` between its hidden states and its loss"
+                       f"{why}, which the fused loss does not reproduce")
+
+    for n in stmts:
+        if isinstance(n, ast.AnnAssign):
+            targets, value = [n.target], n.value
+        elif isinstance(n, ast.AugAssign):
+            targets, value = [n.target], ast.BinOp(left=n.target, op=n.op, right=n.value)
+        else:
+            targets, value = n.targets, n.value
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+        touches = {lv, "hidden_states", "loss"}
+        if any(not isinstance(t, ast.Name) and any(isinstance(x, ast.Name) and x.id in touches
+                                                       for x in ast.walk(t)) for t in targets):
+            return bad(n)                          # logits[...] = ..., hidden_states.x = ...
+        if len(names) == 1 and value is not None and _src(value) in set(KNOWN_SOFTCAPS) | set(KNOWN_SCALARS):
+            aliases[names[0]] = _src(value)        # cap = self.config.logits_soft_cap
+            continue
+        if not set(names) & touches or value is None:
+            continue
+        var = names[0]
+        if var == "loss":
+            if isinstance(value, ast.Constant) and value.value is None:
+                continue
+            if (isinstance(value, ast.Call) and _src(value.func) == "self.loss_function"):
+                first = value.args[0] if value.args else next((k.value for k in value.keywords if k.arg == "logits"), None)
+                if first is None or not (isinstance(_strip_casts(first), ast.Name) and _strip_casts(first).id == lv):
+                    return bad(n, f" (the loss is not computed from `{lv}`)")
+                continue
+            return bad(n)
+        if n is head:
+            sc = _scale_of(value, aliases)
+            inner = sc[1] if sc else value
+            call = _strip_casts(inner)
+            if not (isinstance(call, ast.Call) and _src(call.func) == "self.lm_head" and len(call.args) == 1
+                    and not call.keywords and _is_hidden(call.args[0])):
+                return bad(n)
+            stage = 1
+            if sc:
+                if sc[2] in KNOWN_SOFTCAPS:
+                    return bad(n)
+                steps.append(("logits", sc[0], sc[2]))
+            continue
+        if var == "hidden_states":
+            if stage:
+                return bad(n, " after the lm_head")
+            if _is_body_output(value) or (isinstance(value, ast.Call) and _src(value.func) == "slice_logits_to_keep"
+                                          and value.args and _is_hidden(value.args[0])):
+                continue
+            sc = _scale_of(value, aliases)
+            if sc and sc[2] in KNOWN_SCALARS and (_is_hidden(sc[1]) or _is_body_output(sc[1])):
+                steps.append(("hidden", sc[0], sc[2]))
+                continue
+            return bad(n)
+        # var == lv, after the head
+        if stage == 0:
+            return bad(n, " before the lm_head")
+        t = _is_tanh(value)
+        if pending_cap is not None:
+            if t is not None and isinstance(_strip_casts(t), ast.Name) and _strip_casts(t).id == lv and pending_cap[1] == 0:
+                pending_cap = (pending_cap[0], 1)
+                continue
+            sc = _scale_of(value, aliases)
+            if pending_cap[1] == 1 and sc and sc[0] == "mul" and sc[2] == pending_cap[0] and _is_var(sc[1], lv):
+                steps.append(("logits", "softcap", pending_cap[0]))
+                pending_cap, stage = None, 2
+                continue
+            return bad(n, " (not the known tanh softcapping)")
+        sc = _scale_of(value, aliases)
+        if sc and sc[2] in KNOWN_SOFTCAPS:
+            if sc[0] == "div" and _is_var(sc[1], lv):
+                pending_cap = (sc[2], 0)           # logits / cap; tanh; * cap
+                continue
+            inner = _is_tanh(sc[1]) if sc[0] == "mul" else None
+            isc = _scale_of(inner, aliases) if inner is not None else None
+            if isc and isc[0] == "div" and isc[2] == sc[2] and _is_var(isc[1], lv):
+                steps.append(("logits", "softcap", sc[2]))      # tanh(logits / cap) * cap
+                stage = 2
+                continue
+            return bad(n)
+        if sc and _is_var(sc[1], lv):
+            if stage == 2:
+                return bad(n, " after the softcapping")
+            steps.append(("logits", sc[0], sc[2]))
+            continue
+        if _is_var(value, lv):
+            continue                               # logits = logits.float()
+        return bad(n)
+    if pending_cap is not None:
+        return steps, f"{name}.forward starts a softcapping by {pending_cap[0]} it does not finish"
+    return steps, None
+
+
+def _is_var(e: ast.expr, name: str) -> bool:
+    e = _strip_casts(e)
+    return isinstance(e, ast.Name) and e.id == name
+
+
+def _read_value(host: Any, source: str) -> Any:
+    """The value of ``self.a.b`` (``source``) on ``host``."""
+    obj = host
+    for part in source.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj
+
+
+def head_transform(host: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """What ``host``'s forward does to its logits, as the loss kernels take it:
+    ``{"softcap": cap or None, "logit_multiplier": m or None, "logits_scaling": s or None}``
+    (z = softcap(lm_head(h) * m / s)), or (None, the reason it cannot be reproduced)."""
+    import math
+
+    shape = forward_shape(type(host))
+    if shape.reason:
+        return None, shape.reason
+    mul, div, cap = 1.0, 1.0, None
+    for where, kind, source in shape.steps:
+        try:
+            v = _read_value(host, source)
+        except AttributeError:
+            return None, f"{type(host).__name__}.forward reads {source}, which this model does not have"
+        if v is None:
+            if kind == "softcap":
+                continue                       # `if ... is not None:` around it in every known forward
+            return None, f"{source} is None ({type(host).__name__}.forward scales by it)"
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return None, (f"{source} is a {type(v).__name__}, not a number (a learned or per-token scale), "
+                          "which the fused loss does not reproduce")
+        v = float(v)
+        if not math.isfinite(v) or v == 0:
+            return None, f"{source} = {v!r}"
+        if where == "hidden" and getattr(unwrap(host.lm_head), "bias", None) is not None:
+            return None, (f"{type(host).__name__}.forward scales the hidden states by {source} before a biased "
+                          "lm_head, which the fused loss does not reproduce")
+        if kind == "softcap":
+            cap = v
+        elif kind == "mul":
+            mul *= v
+        else:
+            div *= v
+    return {"softcap": cap, "logit_multiplier": None if mul == 1.0 else mul,
+            "logits_scaling": None if div == 1.0 else div}, None
+
+
 _SHAPES: dict[type, ForwardShape] = {}
 
 
@@ -239,24 +521,25 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
         return r
     if op == "fused_cross_entropy" and loss_function_settable(type(host)):
         return None          # only the loss function is replaced; the forward stays HF's
-    shape = forward_shape(type(host))
-    if shape.reason:
-        return shape.reason
-    cfg = host.config
-    if op == "fused_linear_cross_entropy":
-        want = getattr(cfg, "final_logit_softcapping", None) if shape.applies_softcap else None
-        got = resolve_softcap(flags, {"softcap": getattr(cfg, "final_logit_softcapping", None)})
+    t, why = head_transform(host)
+    if why:
+        return why
+    if op == "fused_linear_cross_entropy":      # (fused_cross_entropy's forward replays the steps: head_logits)
+        facts = info.facts("CausalLM") if info is not None else {}
+        want = t["softcap"]
+        got = resolve_softcap(flags, {"softcap": want})
         if (want or None) != got:
             return (f"softcap={flags.get('softcap')} resolves to {got} but the forward applies "
-                    f"{'final_logit_softcapping=' + str(want) if want else 'no softcapping'}")
-        scaling = getattr(cfg, "logits_scaling", None)
-        if scaling not in (None, 1, 1.0) and not shape.applies_scaling:
-            return "config.logits_scaling is set but the forward does not divide the logits by it"
-    if op in ("fused_linear_logprobs", "fused_linear_jsd") and (
-            (shape.applies_softcap and getattr(cfg, "final_logit_softcapping", None))
-            or (shape.applies_scaling and getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0))):
-        return ("the forward transforms the logits (final_logit_softcapping / logits_scaling), which "
-                f"{op} does not reproduce")
+                    f"{'softcapping ' + format(want, 'g') if want else 'no softcapping'}")
+        # the kernels are specialised for the facts the plan read: they must be the live model's
+        for k, resolve in (("logit_multiplier", resolve_multiplier), ("logits_scaling", resolve_scaling)):
+            if facts and resolve(facts) != t[k]:
+                return (f"the plan's kernels scale the logits by {k}={resolve(facts)} but the model's forward "
+                        f"applies {k}={t[k]}: plan this model again")
+    elif op in ("fused_linear_logprobs", "fused_linear_jsd"):
+        what = transforms_logits(t)
+        if what:
+            return f"the forward transforms the logits ({what}), which {op} does not reproduce"
     return None
 
 
@@ -364,17 +647,25 @@ def slice_hidden(hidden: Any, logits_to_keep: Any) -> Any:
     return hidden[:, logits_to_keep, :]
 
 
-def _apply_head_post(logits: Any, cfg: Any, shape: ForwardShape) -> Any:
-    """What the original forward does to the logits after lm_head (Granite scaling, Gemma softcap)."""
+def head_logits(host: Any, hidden: Any, shape: ForwardShape) -> Any:
+    """The logits as the original forward computes them from the (sliced) hidden states: its
+    steps (:func:`head_transform`, :func:`_read_head`) replayed in order around ``host.lm_head``."""
     import torch
 
-    if shape.applies_scaling and getattr(cfg, "logits_scaling", None) is not None:
-        logits = logits / cfg.logits_scaling
-    cap = getattr(cfg, "final_logit_softcapping", None)
-    if shape.applies_softcap and cap is not None:
-        logits = logits / cap
-        logits = torch.tanh(logits)
-        logits = logits * cap
+    for where, kind, source in shape.steps:
+        if where == "hidden":
+            v = _read_value(host, source)
+            hidden = hidden * v if kind == "mul" else hidden / v
+    logits = host.lm_head(hidden)
+    for where, kind, source in shape.steps:
+        if where != "logits":
+            continue
+        v = _read_value(host, source)
+        if kind == "softcap":
+            if v is not None:
+                logits = torch.tanh(logits / v) * v
+        else:
+            logits = logits * v if kind == "mul" else logits / v
     return logits
 
 
@@ -455,7 +746,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
             else:
                 loss = fused(hidden, shift, num_items)
         else:
-            logits = _apply_head_post(self.lm_head(hidden), self.config, shape)
+            logits = head_logits(self, hidden, shape)
             loss = kernels(logits.dtype).cross_entropy(logits.reshape(-1, logits.shape[-1]), shift.reshape(-1),
                                                        num_items)
         rest = _body_fields(outputs, shape)
@@ -513,7 +804,7 @@ def fused_output_cls() -> type:
     logits (these three carry gradients); ``log_sum_sq_probs`` log sum p^2, ``mean_logits`` the
     mean temperature-scaled logit, ``is_top1`` whether the label is the argmax, ``label_mask``
     label != ignore_index (no gradient).  ``loss`` = -sum(log_probs) / num_items_in_batch (the
-    number of labels that are not ignored when not given).
+    number of labels that are not ignored when not given; NaN when all are ignored, as HF's loss).
     """
     if not _FUSED_OUTPUT:
         import dataclasses
@@ -597,7 +888,7 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
         t = temperature if fused else 1.0
         lp, ent, lse, mean, lssq, top1 = mod.linear_logprobs(hidden, w, b, targets, t)
         mask = targets != ignore
-        denom = mask.sum().clamp(min=1) if num_items is None else num_items
+        denom = mask.sum() if num_items is None else num_items     # all ignored: NaN (0 / 0), as HF
         loss = -lp.sum() / denom
         rest = _body_fields(outputs, shape)
         if fused:

@@ -127,17 +127,18 @@ def test_num_items_in_batch(num_items):
     assert abs(loss.item() - hf.item()) <= 1e-5 * abs(hf.item())
 
 
-def test_all_rows_ignored_gives_zero_not_nan():
+def test_all_rows_ignored_gives_nan_as_hf():
     vocab = sizes(cpu=[1500], gpu=[151936])[0]
     x, y, _ = inputs(3, vocab, "bf16", seed=5)
     y[:] = -100
     xs = x.clone().requires_grad_()
     loss = kernels(vocab, "bf16").cross_entropy(xs, y)
     loss.backward()
-    assert loss.item() == 0.0
-    assert torch.count_nonzero(xs.grad) == 0
-    # what HF / torch give for the same batch (documented difference)
-    assert torch.isnan(torch.nn.functional.cross_entropy(x.float(), y, ignore_index=-100))
+    xr = x.float().requires_grad_()
+    hf = torch.nn.functional.cross_entropy(xr, y, ignore_index=-100)
+    hf.backward()
+    assert torch.isnan(loss) and torch.isnan(hf)           # 0 / 0, as HF's mean
+    assert torch.count_nonzero(xs.grad) == 0 and torch.count_nonzero(xr.grad) == 0
 
 
 def test_grad_output_one_and_other_values():
@@ -245,7 +246,7 @@ def test_modes_are_compiled_in():
     assert "Z_LOSS" in _row_fn(_source(1500, z_loss=1e-4)[0])
     mean, _ = _source(1500)
     none, _ = _source(1500, reduction="none")
-    assert "1.0 / count" in mean and "1.0 / count" not in none
+    assert "count.reciprocal()" in mean and "count.reciprocal()" not in none
     assert "IGNORE_INDEX = tl.constexpr(-1)" in _source(1500, ignore_index=-1)[0]
 
 
@@ -311,6 +312,7 @@ CUDA_COMPILE = textwrap.dedent("""
         ("fused_cross_entropy", 1000, "bf16", {"ignore_index": -1}, {}),
         ("fused_linear_cross_entropy", 151936, "bf16", {}, {"softcap": 30.0, "logits_scaling": 4.0}),
         ("fused_linear_cross_entropy", 32000, "fp32", {"label_smoothing": 0.1}, {}),
+        ("fused_linear_cross_entropy", 151936, "bf16", {"check_labels": False}, {"logit_multiplier": 0.5}),
     ]:
         op = get_op(opname)
         f = op.default_flags()
@@ -324,7 +326,8 @@ CUDA_COMPILE = textwrap.dedent("""
         m = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(m)
         sig = {"X": PT[dtype], "stride_x": "i64", "DX": PT[dtype], "stride_dx": "i64", "Y": "*i64",
-               "LOSS": "*fp32", "SCALE": "*fp32", "scale_stride": "i32", "n_rows": "i32", "COMPUTE_GRAD": "constexpr"}
+               "LOSS": "*fp32", "SCALE": "*fp32", "scale_stride": "i32", "OK": "*i32", "n_rows": "i32",
+               "COMPUTE_GRAD": "constexpr"}
         for grad in (True, False):
             triton.compile(ASTSource(getattr(m, "ce_fwd_" + p["tag"]), sig, constexprs={"COMPUTE_GRAD": grad}),
                            target=target, options={"num_warps": p["num_warps"]})
@@ -349,4 +352,122 @@ def test_cuda_variants_compile_for_sm90(tmp_path):
     if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
         pytest.skip("no ptxas in this triton installation")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "compiled 14" in r.stdout
+    assert "compiled 16" in r.stdout
+
+
+# ---------------------------------------------------------------- label values, as torch's cross_entropy
+# Every kernel that reads class labels (patchdsl/codegen/labels.py): each case must give what
+# F.cross_entropy gives on the same logits: the same exception class, or the same value / NaN / inf.
+LABEL_VOCAB, LABEL_HIDDEN = 300, 32
+LABEL_KERNELS = {
+    "ce": ("fused_cross_entropy", {}),
+    "ce_looped": ("fused_cross_entropy", {"block": 128}),       # the target's logit read by address
+    "lce_chunked": ("fused_linear_cross_entropy", {}),
+    "lce_fused": ("fused_linear_cross_entropy", {"mode": "fused"}),
+    "logprobs": ("fused_linear_logprobs", {}),
+}
+V = LABEL_VOCAB
+LABEL_CASES = {                       # labels of 5 tokens (or their dtype), num_items_in_batch
+    "in_range": ([1, 7, 299, 0, 42], None),
+    "ignored": ([1, -100, 5, -100, 2], None),
+    "minus_one": ([1, -1, 5, 6, 2], None),
+    "vocab": ([1, V, 5, 6, 2], None),
+    "vocab_plus_5": ([V + 5, 2, 5, 6, 2], None),
+    "all_ignored": ([-100] * 5, None),
+    "float": ("float32", None),
+    "int32": ("int32", None),
+    "num_items_0": ([1, 7, 299, 0, 42], 0),
+}
+
+
+def _label_run(name, op_name, flags, labels, num_items):
+    torch.manual_seed(0)
+    h = torch.randn(5, LABEL_HIDDEN, device=DEVICE)
+    w = torch.randn(LABEL_VOCAB, LABEL_HIDDEN, device=DEVICE) * 0.3
+    if op_name == "fused_cross_entropy":
+        mod = kernels(LABEL_VOCAB, "fp32", **flags)
+        return lambda: mod.cross_entropy(h @ w.T, labels, num_items)
+    fa = {"vocab": LABEL_VOCAB, "hidden": LABEL_HIDDEN, "bias": False, "softcap": None, "logits_scaling": None,
+          "tied": False}
+    mod = kernel_for(op_name, "CausalLM", fa, "fp32", flags)
+    if op_name == "fused_linear_logprobs":
+        return lambda: mod.linear_logprobs(h, w, None, labels)[0].sum()
+    return lambda: mod.linear_cross_entropy(h, w, None, labels, num_items)
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:                # the class is what is compared
+        return type(e)
+
+
+@pytest.mark.parametrize("case", list(LABEL_CASES))
+@pytest.mark.parametrize("kern", list(LABEL_KERNELS))
+def test_label_values_behave_as_torch_cross_entropy(kern, case):
+    op_name, flags = LABEL_KERNELS[kern]
+    spec, num_items = LABEL_CASES[case]
+    if isinstance(spec, str):
+        labels = torch.tensor([1, 7, 3, 0, 4], dtype=getattr(torch, spec), device=DEVICE)
+    else:
+        labels = torch.tensor(spec, device=DEVICE)
+    if op_name == "fused_linear_logprobs" and (num_items is not None or case in ("all_ignored",)):
+        pytest.skip("log-probs have no reduction")
+    torch.manual_seed(0)
+    h = torch.randn(5, LABEL_HIDDEN, device=DEVICE)
+    w = torch.randn(LABEL_VOCAB, LABEL_HIDDEN, device=DEVICE) * 0.3
+
+    def hf():
+        z = (h @ w.T).double()
+        if num_items is None:
+            return F.cross_entropy(z, labels, ignore_index=-100)
+        return F.cross_entropy(z, labels, ignore_index=-100, reduction="sum") / num_items
+
+    want, got = _outcome(hf), _outcome(_label_run(kern, op_name, flags, labels, num_items))
+    if isinstance(want, type):
+        assert got is want, f"HF raises {want.__name__}, patchdsl gave {got!r}"
+        return
+    assert not isinstance(got, type), f"patchdsl raised {got.__name__} where HF gives {want}"
+    if op_name == "fused_linear_logprobs":       # sum of log p(label) (0 where ignored), not a loss
+        return
+    if torch.isnan(want) or torch.isinf(want):
+        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want)), \
+            (got, want)
+    else:
+        assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item()), (got, want)
+
+
+def test_label_check_off_is_a_variant_without_the_check():
+    """check_labels=false (for measuring the check's cost): no flag, no assert, a distinct kernel."""
+    src, p = _source(300, target="cuda")
+    off, q = _source(300, target="cuda", check_labels=False)
+    assert "check_flag(" in src and "tl.store(ok_ptr, 0)" in src
+    assert "check_flag(" not in off and "tl.store(ok_ptr" not in off
+    op = get_op(OP)
+    assert op.kernel_name(q).endswith("_nocheck_cuda") and op.kernel_name(q) != op.kernel_name(p)
+    y = torch.tensor([1, 300, 3], device=DEVICE)
+    x = torch.randn(3, 300, device=DEVICE)
+    assert torch.isfinite(kernels(300, "fp32", check_labels=False).cross_entropy(x, y))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the device-side assert needs a GPU")
+def test_out_of_bounds_label_trips_a_device_assert_without_host_sync():
+    """On the GPU the check is torch._assert_async on a flag the kernel clears: the call itself
+    returns (no host sync); the next synchronisation fails with a device-side assert, as HF's
+    F.cross_entropy does.  In a child process: a device-side assert ends the CUDA context."""
+    child = textwrap.dedent('''
+        import torch
+        from tests.kernels.test_cross_entropy import kernels
+        x = torch.randn(4, 300, device="cuda")
+        mod = kernels(300, "fp32")
+        ok = mod.cross_entropy(x, torch.tensor([1, 2, 3, -100], device="cuda"))
+        torch.cuda.synchronize()
+        loss = mod.cross_entropy(x, torch.tensor([1, 300, 3, 4], device="cuda"))
+        print("RETURNED", flush=True)
+        torch.cuda.synchronize()
+        print("NO ASSERT", flush=True)
+    ''')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=root, timeout=300)
+    assert "RETURNED" in r.stdout and "NO ASSERT" not in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert "device-side assert" in r.stderr or "Assertion" in r.stderr, r.stderr[-2000:]
