@@ -25,7 +25,8 @@ from .check import CheckedSpec, check_spec
 from .codegen.keys import KernelKey
 from .codegen.render import CodegenError, validate_key
 from .index import ModelIndex, build_index
-from .ops.attention_impl import AttentionChoice, choose_attention
+from .ops.attention_impl import KNOWN as KNOWN_ATTENTION
+from .ops.attention_impl import AttentionChoice, attention_problem, choose_attention
 from .ops.base import ModuleInfo
 from .ops.registry import get_op
 from .select import explain_misfits, explain_no_match, select_all
@@ -83,6 +84,8 @@ class PatchPlan:
     totals: tuple[tuple[str, int, int], ...] = ()   # (module name, patched, present)
     infos: Mapping[str, ModuleInfo] = field(default_factory=dict, compare=False, repr=False)
     attention: AttentionChoice | None = None        # the ``attention`` directive, per model instance
+    # (path, class) of every module of the model planned on: apply refuses modules it does not know
+    structure: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __iter__(self):
         return iter(self.sites)
@@ -115,6 +118,7 @@ class PatchPlan:
             "unmatched_optional": list(self.unmatched_optional),
             "totals": [{"name": n, "patched": p, "present": t} for n, p, t in self.totals],
             "attention": self.attention.to_json() if self.attention else None,
+            "structure": dict(self.structure),
             "modules": {p: {"class": i.cls, "bases": list(i.bases), "kinds": {k: dict(v) for k, v in i.kinds.items()},
                             "dtype": i.dtype, "children": list(i.children)}
                         for p, i in self.infos.items()},
@@ -235,25 +239,16 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         hosts[host] = path
         flags = {k: v.value for k, v in st["flags"].items()}
         sources = {k: v.source for k, v in st["flags"].items()}
-        bad = op.validate(flags)
-        if bad:
-            raise SpecError(f"{path}: {bad}", st["span"])
         minfo = info.with_host(index.infos.get(host))
-        keys = []
-        for dt in dts:
-            params = op.key_params(minfo, flags, dt, target)
-            key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
-            try:
-                if not op.external:         # external ops load a third-party kernel: nothing is rendered
-                    validate_key(key)
-            except CodegenError as e:
-                raise SpecError(f"{path}: {e}", st["span"]) from None
-            keys.append(key)
         covers = tuple(c for c, by in covered.items() if by == path)
+        try:
+            site = build_site(op, path, info.cls, host, minfo, flags, sources, dtypes=dts, target=target,
+                              rule=st["rules"][0], rules=tuple(st["rules"]), matched_by=st["how"], covers=covers,
+                              optional=st["optional"])
+        except SiteError as e:
+            raise SpecError(f"{path}: {e}", st["span"]) from None
         refused = (check(op, path, host, minfo, flags) if check is not None else None) or ""
-        sites.append(Site(path, info.cls, op.name, tuple(flags.items()), tuple(sources.items()),
-                          st["rules"][0], tuple(st["rules"]), st["how"], host, tuple(keys), covers,
-                          refused, st["optional"], op.source(keys[0].param_dict) if keys else ""))
+        sites.append(replace(site, refused=refused) if refused else site)
     if errors:
         raise SpecError.combine(errors)
     present = Counter(_leaf(i.path) for i in index if i.path)
@@ -262,18 +257,57 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
     infos = {p: index.infos[p] for p in index.infos if p in used}
     attention = choose_attention(spec.attention) if spec.attention is not None else None
     return PatchPlan(spec.path, index.model_class, index.model_type, target, dts, tuple(sites),
-                     tuple(unmatched), totals, infos, attention)
+                     tuple(unmatched), totals, infos, attention, tuple((i.path, i.cls) for i in index))
 
 
-def check_available(checked: CheckedSpec, plan: PatchPlan, model_cls: type | None = None) -> PatchPlan:
-    """Raise a SpecError naming the site (and its rule) whose kernel cannot be had on this machine:
-    an external op whose package, GPU or files are missing, an attention implementation that
-    cannot run here.  Returns the plan with each external site's source as resolved here (a local
-    repository's content hash, the commit a Hub pin resolved to).  Not pure: it looks at installed
-    packages, the device and the file system."""
-    from dataclasses import replace
+class SiteError(ValueError):
+    """Why a site cannot be built (its caller says where: a spec span, a plan file field)."""
 
-    spans = {cr.rule.span.short: cr.rule for cr in checked.rules}
+
+def build_site(op: Any, path: str, cls: str, host: str, info: ModuleInfo, flags: Mapping[str, Any],
+               sources: Mapping[str, str], *, dtypes: tuple[str, ...], target: str, rule: str,
+               rules: tuple[str, ...], matched_by: str, covers: tuple[str, ...] = (), refused: str = "",
+               optional: bool = False) -> Site:
+    """The one constructor of a :class:`Site`, for the planner and for plan files alike: the op's
+    ``validate`` on the resolved flags, every kernel key derived with ``key_params`` (and checked
+    by ``validate_key`` for generated ops), and the external source derived from the key, never
+    taken from anyone.  ``info`` is the site's facts with its host's (``with_host``).  Raises
+    :class:`SiteError`."""
+    bad = op.validate(flags)
+    if bad:
+        raise SiteError(bad)
+    keys = []
+    for dt in dtypes:
+        try:
+            params = op.key_params(info, flags, dt, target)
+            key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+            if not op.external:         # external ops load a third-party kernel: nothing is rendered
+                validate_key(key)
+        except CodegenError as e:
+            raise SiteError(str(e)) from None
+        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+            raise SiteError(f"the module's facts do not fit {op.name} ({type(e).__name__}: {str(e)[:120]})") from None
+        keys.append(key)
+    source = op.source(keys[0].param_dict) if op.external and keys else ""
+    return Site(path, cls, op.name, tuple(flags.items()), tuple(sources.items()), rule, tuple(rules), matched_by,
+                host, tuple(keys), tuple(covers), refused, optional, source)
+
+
+class Unavailable(Exception):
+    """A site's kernel (``site``) or the attention implementation (``site`` None) that this machine cannot have."""
+
+    def __init__(self, site: Site | None, message: str):
+        super().__init__(message)
+        self.site = site
+
+
+def resolve_here(plan: PatchPlan, model_cls: type | None = None) -> PatchPlan:
+    """The availability and attention checks, for a plan just made (:func:`check_available`) and for a
+    plan file at apply alike: every external site's kernel must be loadable here (package, GPU,
+    files; a local repository's files must hash to its ``sha256`` pin, checked before anything is
+    imported) and the attention implementation must run here.  Returns the plan with each external
+    site locked (``Op.lock``: a local repository's sha256 recorded, the site rebuilt by
+    :func:`build_site`) and its source as resolved here.  Raises :class:`Unavailable`.  Not pure."""
     said: dict[tuple, str | None] = {}
     sites = []
     for s in plan.sites:
@@ -286,15 +320,39 @@ def check_available(checked: CheckedSpec, plan: PatchPlan, model_cls: type | Non
             if key not in said:
                 said[key] = op.unavailable(k.param_dict)
             if said[key]:
-                rule = spans.get(s.rule)
-                raise SpecError(f"{s.path}: {s.source or s.op} cannot be used here: {said[key]}",
-                                rule.op.span if rule is not None else None)
+                raise Unavailable(s, f"{s.path}: {s.source or s.op} cannot be used here: {said[key]}")
+        extra = op.lock(s.keys[0].param_dict) if s.keys else {}
+        if extra:
+            info = plan.infos[s.path].with_host(plan.infos.get(s.host))
+            try:
+                s = build_site(op, s.path, s.cls, s.host, info, {**s.flag_dict, **extra},
+                               {**dict(s.flag_sources), **{n: "plan (resolved here)" for n in extra}},
+                               dtypes=plan.dtypes, target=plan.target, rule=s.rule, rules=s.rules,
+                               matched_by=s.matched_by, covers=s.covers, refused=s.refused, optional=s.optional)
+            except SiteError as e:
+                raise Unavailable(s, f"{s.path}: {e}") from None
         sites.append(replace(s, source=op.resolved_source(s.keys[0].param_dict)) if s.keys else s)
     if plan.attention is not None:
         why = plan.attention.unavailable(plan.target, model_cls)
         if why:
-            raise SpecError(f"attention {plan.attention.impl} cannot run here: {why}", checked.spec.attention.span)
+            raise Unavailable(None, f"attention {plan.attention.impl} cannot run here: {why}")
     return replace(plan, sites=tuple(sites))
+
+
+def check_available(checked: CheckedSpec, plan: PatchPlan, model_cls: type | None = None) -> PatchPlan:
+    """Raise a SpecError naming the site (and its rule) whose kernel cannot be had on this machine:
+    an external op whose package, GPU or files are missing, an attention implementation that
+    cannot run here (:func:`resolve_here`, which a plan file meets at apply).  Returns the plan
+    with each external site locked and its source as resolved here (a local repository's content
+    hash, the commit a Hub pin resolved to).  Not pure."""
+    spans = {cr.rule.span.short: cr.rule for cr in checked.rules}
+    try:
+        return resolve_here(plan, model_cls)
+    except Unavailable as e:
+        if e.site is None:
+            raise SpecError(str(e), checked.spec.attention.span) from None
+        rule = spans.get(e.site.rule)
+        raise SpecError(str(e), rule.op.span if rule is not None else None) from None
 
 
 def plan(spec: Spec | str, model: Any, *, target: str | None = None,
@@ -496,37 +554,32 @@ def _load_site(i: int, d: Any, infos: Mapping[str, ModuleInfo], dtypes: tuple[st
           "a covered module is not a child of the site")
     _need(set(covers) <= set(f"{path}.{c}" if path else c for c in op.covers), f"{where}.covers",
           f"{op.name} fuses only {', '.join(op.covers) or 'nothing'}")
-    # Re-derive every kernel key from the recorded facts and flags, as plan_index does.
+    # The site is built as plan_index builds it (validate, keys, source); then it must carry the
+    # pins a plan made here records, and the recorded kernels must be the derived ones.
     minfo = info.with_host(infos.get(host))
-    keys = []
-    for dt in dtypes:
-        try:
-            params = op.key_params(minfo, flags, dt, target)
-            key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
-            if not op.external:
-                validate_key(key)
-        except CodegenError as e:
-            raise PlanError(f"{where}: {e}") from None
-        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
-            raise PlanError(f"{where}: the module's facts do not fit {op.name} "
-                            f"({type(e).__name__}: {str(e)[:120]})") from None
-        keys.append(key)
+    try:
+        site = build_site(op, path, info.cls, host, minfo, flags, sources, dtypes=dtypes, target=target,
+                          rule=_text(d.get("rule"), f"{where}.rule", 400),
+                          rules=tuple(_text(r, f"{where}.rules", 400) for r in _list(d.get("rules", []), f"{where}.rules")),
+                          matched_by=_text(d.get("matched_by"), f"{where}.matched_by", 400), covers=covers,
+                          refused=_text(d.get("refused", ""), f"{where}.refused", 1000),
+                          optional=d.get("optional", False) is True)
+    except SiteError as e:
+        raise PlanError(f"{where}: {e}") from None
+    unlocked = op.unlocked(site.flag_dict)
+    _need(not unlocked, f"{where}.flags", unlocked or "")
     recorded = _list(d.get("kernels", []), f"{where}.kernels")
-    _need(len(recorded) == len(keys), f"{where}.kernels", f"expected {len(keys)} kernel(s), one per dtype")
-    for k, r in zip(keys, recorded):
+    _need(len(recorded) == len(site.keys), f"{where}.kernels", f"expected {len(site.keys)} kernel(s), one per dtype")
+    for k, r in zip(site.keys, recorded):
         if _canon(k.to_json()) != _canon(r):
             rp = r.get("params") if isinstance(r, dict) and isinstance(r.get("params"), dict) else {}
             diff = [n for n in sorted(set(k.param_dict) | set(rp)) if _canon(k.param_dict.get(n)) != _canon(rp.get(n))]
             what = (f"parameter(s) {', '.join(map(str, diff[:5]))}" if diff else "its op, template or name")
             raise PlanError(f"{where}.kernels: the recorded kernel differs from the one derived from the module's "
                             f"facts and flags in {what:.200}")
-    refused = d.get("refused", "")
-    return Site(path, info.cls, op.name, tuple(flags.items()), tuple(sources.items()),
-                _text(d.get("rule"), f"{where}.rule", 400),
-                tuple(_text(r, f"{where}.rules", 400) for r in _list(d.get("rules", []), f"{where}.rules")),
-                _text(d.get("matched_by"), f"{where}.matched_by", 400), host, tuple(keys), covers,
-                _text(refused, f"{where}.refused", 1000), bool(d.get("optional", False) is True),
-                _text(d.get("source", ""), f"{where}.source", 2000) if op.external else "")
+    if op.external:             # the recorded source is text for people: it is re-derived, never read
+        _text(d.get("source", ""), f"{where}.source", 2000)
+    return site
 
 
 def _attention(d: Any) -> AttentionChoice | None:
@@ -537,11 +590,22 @@ def _attention(d: Any) -> AttentionChoice | None:
         impl = d.get("impl")
         _need(isinstance(impl, str) and bool(re.fullmatch(r"[A-Za-z0-9_]{1,64}", impl)), "plan.attention.impl",
               "expected an implementation name")
+        why = attention_problem(impl)
+        _need(not why, "plan.attention.impl", f"{why} (one of {', '.join(KNOWN_ATTENTION)})")
         return AttentionChoice.from_json({"impl": impl, "rule": _text(d.get("rule", ""), "plan.attention.rule", 400)})
     except PlanError:
         raise
     except Exception as e:
         raise PlanError(f"plan.attention: {type(e).__name__}: {e}") from None
+
+
+def _structure(d: Any) -> dict[str, str]:
+    """plan.structure: every module path of the model planned on, with its class."""
+    _need(d is not None, "plan.structure", "missing (the model's module paths and classes; plan again with this version)")
+    d = _obj(d, "plan.structure")
+    _need(0 < len(d) <= 1_000_000, "plan.structure", "expected between 1 and 1000000 modules")
+    _need("" in d, "plan.structure", "the model itself ('') is missing")
+    return {_mpath(p, "plan.structure"): _ident(c, f"plan.structure[{p!r:.80}]") for p, c in d.items()}
 
 
 def _load_plan(d: Any) -> PatchPlan:
@@ -557,7 +621,13 @@ def _load_plan(d: Any) -> PatchPlan:
         _need(model_type is None or (isinstance(model_type, str) and bool(_FACT_STRINGS.fullmatch(model_type))),
               "plan.model_type", "expected a short identifier or null")
         infos = {_mpath(p, "plan.modules"): _module_info(p, m) for p, m in _obj(d.get("modules"), "plan.modules").items()}
+        structure = _structure(d.get("structure"))
+        for p, i in infos.items():
+            _need(structure.get(p) == i.cls, f"modules[{p!r}]", "the module is not in the plan's structure with its class")
         sites = tuple(_load_site(i, s, infos, dtypes, target) for i, s in enumerate(_list(d.get("sites"), "plan.sites")))
+        for s in sites:
+            _need(all(c in structure for c in s.covers), f"site {s.path or '<model>'}.covers",
+                  "a covered module is not in the plan's structure")
         paths = [s.path for s in sites]
         _need(len(set(paths)) == len(paths), "plan.sites", "a module appears in two sites")
         hosts = [s.host for s in sites]
@@ -576,6 +646,6 @@ def _load_plan(d: Any) -> PatchPlan:
                          model_type, target, dtypes, sites,
                          tuple(_text(u, "plan.unmatched_optional", 1000)
                                for u in _list(d.get("unmatched_optional", []), "plan.unmatched_optional")),
-                         tuple(totals), infos, _attention(d.get("attention")))
+                         tuple(totals), infos, _attention(d.get("attention")), tuple(structure.items()))
     except RecursionError:
         raise PlanError("plan: nested too deeply") from None

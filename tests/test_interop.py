@@ -93,8 +93,11 @@ def test_hub_layer_plans_applies_and_undoes(tmp_path):
     p = patchdsl.plan(parse_spec(hub_spec(repo)), model, dtypes=("fp32",))
     hub_sites = [s for s in p.sites if s.op == "hub"]
     assert [s.path for s in hub_sites] == ["model.layers.0.input_layernorm", "model.layers.1.input_layernorm", "model.norm"]
-    assert all(s.source.startswith(f"local {repo} layer TinyRMSNorm, {repo}/build/torch-universal (sha256 ")
-               for s in hub_sites)       # the pin of a local repository: the hash of the files that load
+    from patchdsl.ops.hub import repo_digest
+
+    digest = repo_digest(repo)           # the pin of a local repository: the hash of all its files
+    assert all(s.flag_dict["sha256"] == digest and s.source == f"local {repo} layer TinyRMSNorm (sha256 {digest[:16]})"
+               for s in hub_sites)
     assert p.kernel_keys() and all(k.op == "fused_swiglu" for k in p.kernel_keys())   # nothing generated for hub
     assert PatchPlan.from_json(p.to_json()).sites == p.sites
     other = tiny_qwen3(layers=2)()
@@ -165,7 +168,7 @@ def test_hub_id_not_in_the_offline_cache(tmp_path, monkeypatch):
         patchdsl.plan(parse_spec('model.norm: RMSNorm -> hub("kernels-community/liger-kernels", "LigerRMSNorm", '
                                  'version=1)\n', "o.kpatch"), tiny_qwen3(layers=1)())
     text = str(e.value)
-    assert "model.norm" in text and "HF_HUB_OFFLINE" in text and "get_kernel('kernels-community/liger-kernels'" in text
+    assert "model.norm" in text and "HF_HUB_OFFLINE" in text and "get_kernel(\"kernels-community/liger-kernels\", version=1)" in text
     assert 'hub("./folder", "LigerRMSNorm")' in text
 
 

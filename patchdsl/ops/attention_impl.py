@@ -98,19 +98,28 @@ class AttentionChoice:
         return out
 
 
+def attention_problem(impl: str) -> str | None:
+    """Why ``impl`` is no implementation the directive can choose (None if it is); the one name check
+    of a spec's directive and a plan file's ``attention``.  Pure."""
+    if impl in KNOWN:
+        return None
+    if "/" in impl:
+        return f"Hub attention kernels ({impl}) are not supported by the attention directive"
+    return f"unknown attention implementation {impl!r}"
+
+
 def choose_attention(directive: Any) -> AttentionChoice:
     """The plan's AttentionChoice for an ``attention`` directive (pure; unknown names are SpecErrors)."""
     from ..syntax.errors import SpecError, did_you_mean
 
     impl = directive.impl
-    if impl not in KNOWN:
+    why = attention_problem(impl)
+    if why:
         if "/" in impl:
-            raise SpecError(f"Hub attention kernels ({impl}) are not supported by the attention directive",
-                            directive.span,
+            raise SpecError(why, directive.span,
                             hint="transformers registers them in its process-wide AttentionInterface, which patchdsl "
                                  "does not change; pass attn_implementation= to from_pretrained instead")
-        raise SpecError(f"unknown attention implementation {impl!r}", directive.span,
-                        hint=did_you_mean(impl, KNOWN) or f"one of {', '.join(KNOWN)}")
+        raise SpecError(why, directive.span, hint=did_you_mean(impl, KNOWN) or f"one of {', '.join(KNOWN)}")
     if directive.flags:
         raise SpecError("the attention directive takes no flags", directive.flags[0].span)
     return AttentionChoice(impl, directive.span.short)

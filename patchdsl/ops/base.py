@@ -180,6 +180,16 @@ class Op:
         """``source`` with what this machine resolved it to (called after ``unavailable``)."""
         return self.source(params)
 
+    def lock(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Flags that pin what this machine resolved for ``params`` (a local repository's sha256),
+        recorded in the plan after ``unavailable`` passed.  Default: none."""
+        return {}
+
+    def unlocked(self, flags: Mapping[str, Any]) -> str | None:
+        """Why the flags of a site read from a plan file lack a pin a plan made here records (a
+        local repository without its sha256), or None.  Pure."""
+        return None
+
     def load(self, params: Mapping[str, Any]) -> Any:
         """External ops: the loaded kernel for ``params`` (what ``kernels(dtype)`` returns)."""
         raise NotImplementedError(f"{self.name} generates its kernels; it has nothing to load")

@@ -38,7 +38,7 @@ from ..index import module_info
 from ..ops.base import ModuleInfo, Op
 from ..ops.common import dtype_name
 from ..ops.registry import get_op
-from ..planner import PatchPlan, PlanError, check_site
+from ..planner import PatchPlan, PlanError, Unavailable, check_site, resolve_here
 from ..planner import plan as make_plan
 
 class _Missing:
@@ -304,6 +304,29 @@ def unsharded_name(class_name: str) -> str:
 
 
 
+def uncovered_modules(plan: PatchPlan, model: Any) -> list[Refusal]:
+    """Modules of ``model`` the plan never saw (not in ``plan.structure``) that are like a site of it
+    (same leaf name and class: ``model.layers.5.mlp`` beside a plan for ``model.layers.1.mlp``), as
+    refusals: the spec would have selected them, the plan cannot patch them."""
+    from ..ops.kinds import unwrap
+
+    if not plan.structure:
+        raise PlanError("the plan records no model structure (make it with patchdsl.plan or read it from a plan file)")
+    seen = dict(plan.structure)
+    like: dict[tuple[str, str], Any] = {}
+    for s in plan.sites:
+        like.setdefault((s.path.rsplit(".", 1)[-1], unsharded_name(s.cls)), s)
+    out = []
+    for path, m in model.named_modules():
+        if path in seen:
+            continue
+        s = like.get((path.rsplit(".", 1)[-1], unsharded_name(type(unwrap(m)).__name__)))
+        if s is not None:
+            out.append(Refusal(path, s.op, s.rule, f"not covered by the plan: the model it was made on has no {path} "
+                                                   f"(it patches {s.path} alike); plan again for this model", s.optional))
+    return out
+
+
 def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool = True,
           target: str | None = None, log: Callable[[str], None] | None = None) -> PatchHandle:
     """Patch ``model`` according to a PatchPlan, a plan file (``*.json`` path, or its parsed JSON
@@ -333,7 +356,26 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
     if plan.target != target:
         raise PatchError(f"the plan's kernels target {plan.target}, but this process runs {target} kernels; "
                          f"plan again with target={target!r}")
+    uncovered: list[Refusal] = []
+    if not fresh:
+        # a plan not made in this call meets the availability and attention checks plan makes
+        # (planner.resolve_here: packages, GPU, a local repository's files against its sha256 pin,
+        # before anything is imported), and must know every module like the ones it patches
+        try:
+            plan = resolve_here(plan, type(model))
+        except Unavailable as e:
+            where = f" ({e.site.rule})" if e.site is not None and e.site.rule else ""
+            raise PlanError(f"{'site ' if e.site is not None else ''}{e}{where}") from None
+        uncovered = uncovered_modules(plan, model)
+        if uncovered and strict:
+            names = ", ".join(r.path for r in uncovered[:6]) + (f" and {len(uncovered) - 6} more" if len(uncovered) > 6 else "")
+            raise PatchError(f"the plan does not cover this model: {len(uncovered)} module(s) like the ones it patches "
+                             f"are not in the model it was made on: {names}; plan again for this model")
     handle = PatchHandle(plan)
+    handle.refused.extend(uncovered)
+    for r in uncovered:
+        if log:
+            log(str(r))
     modules = dict(model.named_modules())      # snapshot before patching
     try:
         for site in plan.sites:
