@@ -390,10 +390,13 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
     if kernel_mapping:
         from .translate import MappingError, load_mapping, translate as run_translate
 
+        from .files import FileReadError
+
         try:
             mapping = load_mapping(kernel_mapping)
-        except (OSError, ValueError) as e:
-            raise UsageFailure(f"cannot read {kernel_mapping}: {e}") from None
+        except FileReadError as e:
+            raise UsageFailure(str(e) if e.reason in ("missing", "os", "not-regular", "too-large")
+                               else f"cannot read the kernel mapping: {e}") from None
         loaded = _load_model(model, meta=True)
         try:
             click.echo(run_translate(mapping, loaded.model, device=device, source=kernel_mapping), nl=False)
