@@ -7,6 +7,8 @@ Spec errors never print a Python traceback.
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 import time
 from dataclasses import replace
@@ -15,7 +17,14 @@ from pathlib import Path
 import click
 
 from ._version import __version__
+from . import files
+from .files import FileReadError
 from .syntax.errors import SpecError
+
+# Exit codes, the same for every command (docs/reliability.md, "Exit codes"):
+EXIT_OK = 0            # the command did what was asked
+EXIT_FAILED = 1        # verify: a comparison against the float64 reference failed
+EXIT_BAD_INPUT = 2     # the input is unusable: spec, model, options, files, or a required site refused
 
 
 class UsageFailure(Exception):
@@ -33,7 +42,7 @@ def _console(stderr: bool = False):
 
 def _fail(msg: str) -> None:
     click.echo(msg, err=True)
-    sys.exit(2)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 class _Group(click.Group):
@@ -45,6 +54,8 @@ class _Group(click.Group):
         except UsageFailure as e:
             _fail(f"error: {e}")
         except FileNotFoundError as e:
+            _fail(f"error: {e}")
+        except FileReadError as e:           # an untrusted file that cannot be read (patchdsl.files)
             _fail(f"error: {e}")
         except Exception as e:
             # bad data that is not a spec error: a plan file, an unusable kernel cache, a value
@@ -216,25 +227,51 @@ def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | No
 
 
 # ---------------------------------------------------------------- apply
+_DEVICE = re.compile(r"cpu|cuda(:\d{1,3})?")
+
+
 def _device(device: str | None) -> str:
+    """``--device`` checked against this machine: cpu, cuda or cuda:N (exit 2 otherwise)."""
     import torch
 
-    if device:
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if not device:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not _DEVICE.fullmatch(device):
+        raise UsageFailure(f"--device {device[:40]!r}: expected cpu, cuda or cuda:N")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = ("this torch was built without CUDA" if torch.version.cuda is None
+                   else "torch sees no CUDA device")
+            raise UsageFailure(f"--device {device}: {why}; use --device cpu (kernels then run in Triton's interpreter)")
+        n = torch.cuda.device_count()
+        if ":" in device and int(device.split(":")[1]) >= n:
+            raise UsageFailure(f"--device {device}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    return device
+
+
+def _finite(ctx, param, value):
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+# upper bounds of the workload options (far above what a run of apply / verify takes)
+MAX_BATCH, MAX_SEQ, MAX_STEPS = 65536, 1 << 20, 100_000
+SEED = click.IntRange(0, 2 ** 63 - 1)
 
 
 @main.command()
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
-@click.option("--steps", type=int, help="Measured training steps (default: 3 on CPU, 20 on GPU).")
-@click.option("--batch", type=int, help="Batch size (default: 1 on CPU, 16 on GPU).")
-@click.option("--seq", type=int, help="Sequence length (default: 16 on CPU, 2048 on GPU).")
+@click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Measured training steps (default: 3 on CPU, 20 on GPU).")
+@click.option("--batch", type=click.IntRange(1, MAX_BATCH), help="Batch size (default: 1 on CPU, 16 on GPU).")
+@click.option("--seq", type=click.IntRange(2, MAX_SEQ), help="Sequence length (default: 16 on CPU, 2048 on GPU).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Model dtype (default: bf16 on GPU, fp32 on CPU).")
 @click.option("--device", help="cpu or cuda[:N] (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
-@click.option("--lr", type=float, default=1e-4, show_default=True, help="AdamW learning rate of both runs.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the weights and the batches.")
+@click.option("--lr", type=click.FloatRange(0, 10, min_open=True), default=1e-4, show_default=True, callback=_finite,
+              help="AdamW learning rate of both runs.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the weights and the batches.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the numbers to this JSON file.")
 @include_dir_option
 def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_out) -> None:
@@ -247,6 +284,9 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
     from .workload import Workload, compare_runs
 
     console = _console()
+    if json_out and files.exists(json_out) and not files.is_file(json_out):
+        raise UsageFailure(f"--json {files.show(json_out)}: not a regular file (a FIFO or a device would block or "
+                           f"swallow the results)")
     device = _device(device)
     on_gpu = device.startswith("cuda")
     dtype = dtype or ("bf16" if on_gpu else "fp32")
@@ -320,7 +360,7 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
             "totals": [{"name": n, "patched": a, "present": b} for n, a, b in totals]}, indent=2))
     handle.undo()
     if handle.refused_required:
-        sys.exit(1)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 # ---------------------------------------------------------------- verify
@@ -329,10 +369,13 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
               help="Dtype of the model under test (the reference runs in float64).")
-@click.option("--batch", type=int, default=2, show_default=True, help="Batch size of the verification inputs.")
-@click.option("--seq", type=int, default=16, show_default=True, help="Sequence length of the verification inputs.")
-@click.option("--steps", type=int, default=0, show_default=True, help="Also compare N optimizer steps.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the weights and inputs.")
+@click.option("--batch", type=click.IntRange(1, MAX_BATCH), default=2, show_default=True,
+              help="Batch size of the verification inputs.")
+@click.option("--seq", type=click.IntRange(2, MAX_SEQ), default=16, show_default=True,
+              help="Sequence length of the verification inputs.")
+@click.option("--steps", type=click.IntRange(0, MAX_STEPS), default=0, show_default=True,
+              help="Also compare N optimizer steps.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the weights and inputs.")
 @click.option("--device", help="cpu or cuda (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -367,7 +410,7 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
         click.echo(json.dumps(report.to_json(), indent=2, default=str))
     else:
         report.render_table(_console())
-    sys.exit(0 if report.passed else 1)
+    sys.exit(report.exit_code())
 
 
 # ---------------------------------------------------------------- translate
@@ -392,8 +435,9 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
 
         try:
             mapping = load_mapping(kernel_mapping)
-        except (OSError, ValueError) as e:
-            raise UsageFailure(f"cannot read {kernel_mapping}: {e}") from None
+        except FileReadError as e:
+            raise UsageFailure(str(e) if e.reason in ("missing", "os", "not-regular", "too-large")
+                               else f"cannot read the kernel mapping: {e}") from None
         loaded = _load_model(model, meta=True)
         try:
             click.echo(run_translate(mapping, loaded.model, device=device, source=kernel_mapping), nl=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -137,11 +138,25 @@ class PatchPlan:
 
     @classmethod
     def loads(cls, text: str) -> "PatchPlan":
+        from .files import FileReadError, parse_json
+
         try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as e:
+            d = parse_json(text, "the plan")
+        except FileReadError as e:
             raise PlanError(f"not a JSON plan file: {e}") from None
         return _load_plan(d)
+
+    @classmethod
+    def load(cls, path: "str | os.PathLike") -> "PatchPlan":
+        """A plan file, read through :mod:`patchdsl.files` (a regular file of at most 64 MiB, UTF-8,
+        bounded nesting) and checked by :meth:`loads`.  Raises :class:`PlanError`."""
+        from .files import FileReadError, read_text
+
+        try:
+            text = read_text(path, "plan", what="plan file")
+        except FileReadError as e:
+            raise PlanError(str(e)) from None
+        return cls.loads(text)
 
     @property
     def refused_sites(self) -> tuple[Site, ...]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import json
 import sys
 from functools import lru_cache
 from typing import Any, Mapping
@@ -180,8 +179,11 @@ def translate(mapping: Mapping[str, Any], model: Any, *, device: str = "cuda", s
 
 
 def load_mapping(path: str) -> Any:
-    with open(path) as f:
-        data = json.load(f)
+    """The mapping of a JSON file (a saved KernelConfig's ``kernel_mapping`` is taken from it);
+    read through :mod:`patchdsl.files` (``FileReadError``, a ValueError, when it cannot be)."""
+    from .files import read_json
+
+    data = read_json(path, "mapping", what="kernel mapping")
     if isinstance(data, dict) and "kernel_mapping" in data and isinstance(data["kernel_mapping"], dict):
         data = data["kernel_mapping"]          # a saved KernelConfig
     return data

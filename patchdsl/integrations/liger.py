@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 from ..syntax.errors import SpecError, did_you_mean
@@ -94,23 +93,16 @@ def parse_liger_argument(text: str) -> tuple[bool, dict[str, bool] | None]:
     ``use_liger_kernel`` and/or ``liger_kernel_config`` (other keys of such a file are ignored).
     Returns ``(use_liger_kernel, liger_kernel_config or None)``.
     """
+    from ..files import FileReadError, read_data, show
+
     src = "--liger"
     if text.startswith("@"):
-        path = Path(text[1:])
+        src = show(text[1:])
         try:
-            body = path.read_text()
-        except OSError as e:
-            raise LigerConfigError(f"cannot read '{path}': {e.strerror or e}") from None
-        src = str(path)
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            try:
-                value = yaml.safe_load(body)
-            except yaml.YAMLError as e:
-                raise LigerConfigError(f"{src} is not valid YAML: {e}") from None
-        else:
-            value = _json(body, src)
+            value = read_data(text[1:], "liger", what="Liger config")
+        except FileReadError as e:
+            raise LigerConfigError(str(e), hint='JSON needs double quotes and lower-case true/false: {"rope": true}'
+                                   if e.reason == "syntax" else None) from None
     else:
         value = _json(text, src)
     if value is True:
@@ -130,11 +122,15 @@ def parse_liger_argument(text: str) -> tuple[bool, dict[str, bool] | None]:
 
 
 def _json(text: str, src: str) -> Any:
+    from ..files import FileReadError, LIMITS, parse_json
+
+    if len(text) > LIMITS["json"]:
+        raise LigerConfigError(f"{src} is too large ({len(text):,} characters; at most {LIMITS['json']:,})")
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise LigerConfigError(f"{src} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
-                               hint='JSON needs double quotes and lower-case true/false: {"rope": true}') from None
+        return parse_json(text, src)
+    except FileReadError as e:
+        raise LigerConfigError(str(e), hint='JSON needs double quotes and lower-case true/false: {"rope": true}'
+                               if e.reason == "syntax" else None) from None
 
 
 @dataclass(frozen=True)

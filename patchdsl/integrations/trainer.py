@@ -36,7 +36,6 @@ gives ``handle.graph_step`` (:func:`patchdsl.graph_step` bound to the model).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -172,10 +171,14 @@ def liger_switches(training_args: Any) -> tuple[bool, Any]:
     if isinstance(cfg, str):
         from .liger import LigerConfigError
 
+        from ..files import FileReadError, LIMITS, parse_json
+
+        if len(cfg) > LIMITS["json"]:
+            raise LigerConfigError(f"liger_kernel_config is too large ({len(cfg):,} characters)")
         try:
-            cfg = json.loads(cfg)
-        except json.JSONDecodeError as e:
-            raise LigerConfigError(f"liger_kernel_config is not valid JSON: {e.msg}") from None
+            cfg = parse_json(cfg, "liger_kernel_config")
+        except FileReadError as e:
+            raise LigerConfigError(str(e)) from None
     return use, cfg
 
 

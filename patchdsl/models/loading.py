@@ -68,8 +68,10 @@ def shipped_models() -> list[str]:
 
 
 def shipped_config_path(hub_id: str) -> Path | None:
+    from ..files import is_file
+
     p = CONFIGS_DIR / _id_to_file(hub_id)
-    if p.is_file():
+    if is_file(p):
         return p
     low = hub_id.lower()           # Hub ids are case-insensitive
     for q in CONFIGS_DIR.glob("*.json"):
@@ -99,10 +101,12 @@ def _offline() -> bool:
 
 
 def _read_config_dict(path: Path) -> dict:
+    from ..files import FileReadError, read_json
+
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read model config '{path}': {e}") from None
+        d = read_json(path, "config", what="model config")
+    except FileReadError as e:
+        raise ModelLoadError(str(e)) from None
     if not isinstance(d, dict) or "model_type" not in d:
         raise ModelLoadError(f"'{path}' is not a transformers config.json (no \"model_type\")")
     return d
@@ -114,12 +118,46 @@ SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key
              "num_local_experts", "num_experts_per_tok", "sliding_window", "query_pre_attn_scalar")
 NUMBER_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "partial_rotary_factor",
                "final_logit_softcapping", "attn_logit_softcapping", "logits_scaling", "initializer_range")
+POSITIVE_KEYS = ("rope_theta",)        # of NUMBER_KEYS (also inside rope_parameters / rope_scaling): > 0
+ROPE_KEYS = ("rope_parameters", "rope_scaling")
 MAX_SIZE = 2 ** 31 - 1
+# Sizes the generated kernels take (docs/reliability.md, "Bad model configs"):
+#   head_dim: the RoPE and q/k-norm kernels hold whole heads of a token in one tile of
+#     tokens_per_program x heads x head_dim/2 (padded to powers of two); Triton's largest tile is 2**20 elements.
+#   vocab_size: the cross-entropy kernels scale gradient rows on a grid whose second axis is
+#     vocab / 4096 programs, and a CUDA grid's second axis has at most 65,535.
+KERNEL_LIMITS = {"head_dim": 1024, "vocab_size": 65535 * 4096}
+
+
+def _finite(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _check_rope(r: Any, where: str, path: str, depth: int = 0) -> None:
+    """Every number of a rope_parameters / rope_scaling object (nested per layer type in Gemma 3) is
+    finite; rope_theta and the scaling factors are > 0."""
+    if not isinstance(r, dict):
+        return
+    for k, v in r.items():
+        name = f'{where}: "{path}.{k}"'
+        if isinstance(v, dict) and depth < 2:
+            _check_rope(v, where, f"{path}.{k}", depth + 1)
+        elif isinstance(v, list):
+            if not all(_finite(x) for x in v):
+                raise ModelLoadError(f"{name} must be a list of finite numbers")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            if not math.isfinite(v):
+                raise ModelLoadError(f"{name} must be a finite number, got {json.dumps(v)}")
+            if (k == "rope_theta" or k.endswith("factor")) and v <= 0:
+                raise ModelLoadError(f"{name} must be > 0, got {json.dumps(v)[:40]}")
 
 
 def check_config_dict(d: dict, where: str = "config.json") -> None:
     """Refuse sizes that are not positive integers (strings, fractions, negatives, zero, true/false)
-    and numbers that are not finite, with the field's name; nested ``*_config`` objects too."""
+    and numbers that are not finite, with the field's name; nested ``*_config`` objects too.  Also
+    refused, naming the field: query heads that are not a multiple of the key/value heads, a RoPE
+    base (rope_theta, top level or in rope_parameters / rope_scaling) that is not > 0, and sizes
+    above what the kernels take (``KERNEL_LIMITS``)."""
     if not isinstance(d.get("model_type"), str):
         raise ModelLoadError(f"{where}: \"model_type\" must be a string")
     for k in SIZE_KEYS:
@@ -133,8 +171,25 @@ def check_config_dict(d: dict, where: str = "config.json") -> None:
         if k not in d or d[k] is None:
             continue
         v = d[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ModelLoadError(f"{where}: \"{k}\" must be a finite number >= 0, got {json.dumps(v)[:40]}")
+        if not _finite(v) or v < 0 or (k in POSITIVE_KEYS and v == 0):
+            raise ModelLoadError(f"{where}: \"{k}\" must be a finite number {'> 0' if k in POSITIVE_KEYS else '>= 0'}, "
+                                 f"got {json.dumps(v)[:40]}")
+    for k in ROPE_KEYS:
+        _check_rope(d.get(k), where, k)
+    heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ModelLoadError(f"{where}: \"num_attention_heads\" ({heads}) must be a multiple of "
+                             f"\"num_key_value_heads\" ({kv}): each key/value head serves a whole group of query heads")
+    head_dim = d.get("head_dim")
+    if head_dim is None and isinstance(heads, int) and isinstance(d.get("hidden_size"), int):
+        head_dim = d["hidden_size"] // heads
+    sizes = {"head_dim": head_dim, "vocab_size": d.get("vocab_size")}
+    for k, limit in KERNEL_LIMITS.items():
+        v = sizes[k]
+        if isinstance(v, int) and v > limit:
+            field = k if k in d else f"{k} (hidden_size / num_attention_heads)"
+            raise ModelLoadError(f"{where}: \"{field}\" is {v:,}, above what patchdsl's kernels take "
+                                 f"(at most {limit:,}; docs/reliability.md)")
     for k, v in d.items():
         if k.endswith("_config") and isinstance(v, dict) and "model_type" in v:
             check_config_dict(v, f"{where} ({k})")
@@ -165,7 +220,9 @@ def _transformers_version() -> str:
 
 
 def _has_weights(directory: Path) -> bool:
-    return any((directory / f).is_file() for f in WEIGHT_FILES)
+    from ..files import is_file
+
+    return any(is_file(directory / f) for f in WEIGHT_FILES)
 
 
 def _cached(hub_id: str, filename: str) -> str | None:
@@ -416,12 +473,14 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
     # 1. local directory or config.json
     hub_shaped = not _looks_like_path(spec_s)
     # a folder named like a Hub id but without config.json does not shadow the Hub id
-    local = path.exists() and not (path.is_dir() and not (path / "config.json").is_file() and hub_shaped)
+    from ..files import exists, is_dir, is_file, show
+
+    local = exists(path) and not (is_dir(path) and not is_file(path / "config.json") and hub_shaped)
     if local:
-        if path.is_dir():
+        if is_dir(path):
             directory, cfg_path = path, path / "config.json"
-            if not cfg_path.is_file():
-                raise ModelLoadError(f"'{spec_s}' is a directory without a config.json; pass a model directory "
+            if not is_file(cfg_path):
+                raise ModelLoadError(f"'{show(spec_s)}' is a directory without a config.json; pass a model directory "
                                      f"(config.json plus optional weights) or the path to a config.json")
         else:
             directory, cfg_path = path.parent, path
@@ -432,7 +491,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
             return done(model, f"{spec_s}: pretrained weights from {directory}", True)
         return from_config(cfg_dict, str(cfg_path), None)
     if not hub_shaped:
-        raise ModelLoadError(f"no such file or directory: '{spec_s}' (pass a model directory, a config.json "
+        raise ModelLoadError(f"no such file or directory: '{show(spec_s)}' (pass a model directory, a config.json "
                              f"path, or a Hub id such as {shipped_models()[0] if shipped_models() else 'org/name'})")
 
     # 2./3. Hub id: weights from the local cache, then (online only) from the Hub
@@ -478,10 +537,12 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
                 return from_config(_read_config_dict(Path(p)), "its config.json from the Hub", why)
             except Exception as e:  # noqa: BLE001 - any Hub failure means "not available"
                 hub_problem = _one_line(e)
+    from ..files import show
+
     hub_note = ("the Hub was not tried (HF_HUB_OFFLINE is set)" if offline
                 else f"the Hub did not provide it ({hub_problem})")
     raise ModelLoadError(
-        f"unknown model '{hub_id}': not a local directory or config.json, not in the local Hugging Face cache, "
+        f"unknown model '{show(hub_id)}': not a local directory or config.json, not in the local Hugging Face cache, "
         f"and not a shipped architecture; {hub_note}. Shipped architectures: {', '.join(shipped_models())}. "
         f"For another model pass the path to its config.json (or to a directory holding config.json and "
         f"optionally its weights), e.g. --model path/to/config.json")

@@ -23,6 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
 
+# Upper bounds of int flags (every int flag has both bounds: tests/test_hostile_inputs.py checks the registry).
+BLOCK_MAX = 1 << 16            # a block / tile flag in elements: Triton tiles hold at most 2**20 elements, and
+                               # the row kernels put up to 16 rows of a block in one tile
+INDEX_MIN, INDEX_MAX = -(2 ** 31), 2 ** 31 - 1    # label values (ignore_index): int32, as token ids
+SIZE_MAX = 2 ** 31 - 1         # a size or count: what plan files and config.json take
+CHUNK_MAX = 1 << 24            # tokens per chunk of the chunked LM-head ops
+TEACHER_HIDDEN_MAX = 1 << 20   # the teacher's hidden size (verify allocates batch x seq x this in float64)
+PROGRAMS_PER_SM_MAX = 64
+
+
 class FlagTypeError(ValueError):
     """A flag value of the wrong type; the message says what was expected."""
 

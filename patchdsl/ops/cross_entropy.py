@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX, INDEX_MIN, INDEX_MAX, PROGRAMS_PER_SM_MAX
 from .registry import register
 from .common import next_pow2, row_warps
 
@@ -21,7 +21,8 @@ LABEL_CHECK_FLAG = FlagSpec(
     "finite loss): only for measuring the check's cost")
 
 LOSS_FLAGS = (
-    FlagSpec("ignore_index", "int", -100, "label value that contributes no loss (HF: -100)"),
+    FlagSpec("ignore_index", "int", -100, "label value that contributes no loss (HF: -100)",
+             min=INDEX_MIN, max=INDEX_MAX),
     FlagSpec("label_smoothing", "float", 0.0, "mix eps of the uniform distribution into the target (torch semantics)",
              min=0.0, max=1.0),
     FlagSpec("z_loss", "float", 0.0, "add z_loss * logsumexp(z)^2 per token (PaLM's z-loss); 0 = off", min=0.0),
@@ -29,10 +30,11 @@ LOSS_FLAGS = (
              "mean: HF's (sum / num_items_in_batch when given, else mean over non-ignored tokens); "
              "sum; none: one loss per token", choices=("mean", "sum", "none")),
     FlagSpec("block", "int", "auto", "row block in elements (power of two); auto = by vocab size",
-             auto_ok=True, min=16),
+             auto_ok=True, min=16, max=BLOCK_MAX),
     FlagSpec("programs_per_sm", "int", "auto",
              "0: one program per row; k > 0: a persistent grid of k programs per SM walking the rows "
-             "(keeps the rows in flight in L2 between the two passes); auto = 0 (measured faster)", auto_ok=True, min=0),
+             "(keeps the rows in flight in L2 between the two passes); auto = 0 (measured faster)", auto_ok=True, min=0,
+             max=PROGRAMS_PER_SM_MAX),
     LABEL_CHECK_FLAG,
 )
 

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, ModuleInfo, Op, SIZE_MAX
 from .external import kernels_library, missing_kernels_message
 from .registry import KIND_NAMES, register
 
@@ -202,7 +202,7 @@ class HubLayer(Op):
                  "(./path, ../path, /abs/path; relative to the spec file)"),
         FlagSpec("layer", "str", "", "layer class in the repository's `layers` module (e.g. LigerRMSNorm)"),
         FlagSpec("version", "int", None, "kernel API version (the repository's vN branch); "
-                 "a Hub id needs version or revision", none_ok=True, min=0),
+                 "a Hub id needs version or revision", none_ok=True, min=0, max=SIZE_MAX),
         FlagSpec("revision", "str", None, "branch, tag or commit sha (a full sha locks the kernel)", none_ok=True),
         FlagSpec("trust_remote_code", "bool", False,
                  "allow a repository whose publisher the Hub does not mark as trusted (online only)"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX
 from .registry import register
 from .common import next_pow2, resolve_auto, row_block
 from .rmsnorm import row_launch
@@ -18,7 +18,7 @@ class FusedLayerNorm(Op):
     flags = (
         FlagSpec("eps", "float", "auto", "epsilon added to the variance; auto = the module's own", auto_ok=True, min=0.0),
         FlagSpec("block", "int", "auto", "block size in elements (power of two); auto = by hidden size",
-                 auto_ok=True, min=16),
+                 auto_ok=True, min=16, max=BLOCK_MAX),
     )
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:

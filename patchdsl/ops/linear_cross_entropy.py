@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, ModuleInfo, Op, CHUNK_MAX, SIZE_MAX
 from .cross_entropy import LOSS_FLAGS, ce_block, loss_kernel_name, loss_params, num_tag
 from .registry import register
 
@@ -45,7 +45,7 @@ def auto_chunk(vocab: int, dtype: str, target: str) -> int:
 # The chunking flags of every op that runs the LM head chunk by chunk (linear CE, linear log-probs).
 CHUNK_FLAGS = (
     FlagSpec("chunk", "int", "auto", "tokens per chunk; auto = the largest power of two whose logits "
-             "fit 640 MiB on the GPU (2048 at vocab 151,936 in bf16)", auto_ok=True, min=1),
+             "fit 640 MiB on the GPU (2048 at vocab 151,936 in bf16)", auto_ok=True, min=1, max=CHUNK_MAX),
     FlagSpec("accumulate", "choice", "auto",
              "grad_weight accumulation across chunks: fp32 (an fp32 copy of grad_weight) or weight "
              "(the weight's dtype, in place); auto = fp32 when that copy is <= 64 MB",
@@ -89,7 +89,8 @@ FUSED_FLAGS = (
     FlagSpec("flatten", "bool", False, "fused mode: the forward kernel's vocab and hidden loops as one "
              "pipelined loop (tl.range(flatten=True)); measured by bench/flce_sweep.py"),
     FlagSpec("band", "int", "auto", "fused mode: vocab columns per backward band (rounded to the tile); "
-             "auto = the most that keep the backward's extra memory within 64 MiB at the call's token count", auto_ok=True, min=1),
+             "auto = the most that keep the backward's extra memory within 64 MiB at the call's token count", auto_ok=True, min=1,
+             max=SIZE_MAX),
 )
 
 

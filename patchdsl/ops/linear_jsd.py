@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo
+from .base import FlagSpec, ModuleInfo, BLOCK_MAX, INDEX_MIN, INDEX_MAX, TEACHER_HIDDEN_MAX
 from .cross_entropy import num_tag
 from .linear_cross_entropy import CHUNK_FLAGS, ChunkedHeadOp
 from .registry import register
@@ -43,12 +43,13 @@ class FusedLinearJSD(ChunkedHeadOp):
                  "m = beta t + (1 - beta) s", min=0.0, max=1.0),
         FlagSpec("temperature", "float", 1.0, "both models' logits are divided by this (default of the call's "
                  "`distill_temperature`); no temperature^2 factor, as TRL and Liger", min=1e-6),
-        FlagSpec("ignore_index", "int", -100, "label value whose token is left out of the loss (HF/TRL: -100)"),
+        FlagSpec("ignore_index", "int", -100, "label value whose token is left out of the loss (HF/TRL: -100)",
+                 min=INDEX_MIN, max=INDEX_MAX),
         FlagSpec("teacher_hidden", "int", "auto", "the teacher's hidden size, checked at every call; auto = "
-                 "whatever the teacher head given at the call has", auto_ok=True, min=1),
+                 "whatever the teacher head given at the call has", auto_ok=True, min=1, max=TEACHER_HIDDEN_MAX),
         *CHUNK_FLAGS,
         FlagSpec("block", "int", "auto", "row block in elements (power of two); auto = by vocab size",
-                 auto_ok=True, min=16),
+                 auto_ok=True, min=16, max=BLOCK_MAX),
     )
 
     def misfit(self, info: ModuleInfo, index: Any) -> str | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec
+from .base import FlagSpec, BLOCK_MAX, INDEX_MIN, INDEX_MAX
 from .cross_entropy import LABEL_CHECK_FLAG
 from .linear_cross_entropy import CHUNK_FLAGS, ChunkedHeadOp
 from .registry import register
@@ -34,12 +34,13 @@ class FusedLinearLogprobs(ChunkedHeadOp):
            "`model(..., labels=..., fused_lm_head=True)` (TRL's fused-LM-head protocol) with these fields and "
            "logits=None; see docs/post-training.md.")
     flags = (
-        FlagSpec("ignore_index", "int", -100, "target value that gives 0 and no gradient (HF/TRL: -100)"),
+        FlagSpec("ignore_index", "int", -100, "target value that gives 0 and no gradient (HF/TRL: -100)",
+                 min=INDEX_MIN, max=INDEX_MAX),
         FlagSpec("temperature", "float", 1.0, "the logits are divided by this for `fused_lm_head=True` calls "
                  "(set it to TRL's GRPOConfig.temperature); the `labels` loss always uses 1", min=1e-6),
         *CHUNK_FLAGS,
         FlagSpec("block", "int", "auto", "row block in elements (power of two); auto = by vocab size",
-                 auto_ok=True, min=16),
+                 auto_ok=True, min=16, max=BLOCK_MAX),
         LABEL_CHECK_FLAG,
     )
 

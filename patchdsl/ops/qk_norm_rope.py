@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX
 from .common import next_pow2, resolve_auto
 from .registry import register
 from .rope import ROPE_FLAGS, SUPPORTED_DTYPES, attention_reason, rope_geometry
@@ -92,7 +92,7 @@ class FusedQKNormRope(Op):
         FlagSpec("bwd_block", "int", "auto",
                  "backward tile in elements (heads x rotary_dim/2, power of two), heads looped in tiles of that "
                  "size; auto = 256 on cuda (4 heads of 128, 2 warps: measured faster than all heads in one tile), the "
-                 "forward's tile on the interpreter", auto_ok=True, min=16),
+                 "forward's tile on the interpreter", auto_ok=True, min=16, max=BLOCK_MAX),
         FlagSpec("bwd_warps", "int", "auto", "backward: warps per program; auto = by the backward tile",
                  auto_ok=True, min=1, max=16),
     )

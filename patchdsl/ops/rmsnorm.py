@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX
 from .common import next_pow2, resolve_auto, row_block, row_warps
 from .registry import register
 
@@ -61,7 +61,7 @@ RMS_FLAGS = (
     FlagSpec("casting", "choice", "auto", "llama: cast then scale; gemma: scale in fp32 then cast; auto = probed",
              choices=("llama", "gemma"), auto_ok=True),
     FlagSpec("block", "int", "auto", "block size in elements (power of two); auto = by hidden size",
-             auto_ok=True, min=16),
+             auto_ok=True, min=16, max=BLOCK_MAX),
 )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX
 from .registry import register
 from .common import next_pow2
 
@@ -78,7 +78,7 @@ ROPE_FLAGS = (
     FlagSpec("block", "int", "auto",
              "tile size in elements (heads x rotary_dim/2, power of two); all heads of a token in one tile "
              "when they fit, else heads are looped; auto = 4096 on cuda, 1024 on the interpreter",
-             auto_ok=True, min=16),
+             auto_ok=True, min=16, max=BLOCK_MAX),
     FlagSpec("tokens_per_program", "int", "auto",
              "tokens each program rotates (more for short heads); auto = by (q heads + k heads) x head_dim",
              auto_ok=True, min=1, max=64),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX
 from .registry import register
 from .common import next_pow2, row_block
 
@@ -249,7 +249,7 @@ GLU_FLAGS = (
              "false if a hook keeps those outputs"),
     FlagSpec("block", "int", "auto", "row tile in elements (rounded up to a power of two); giving it selects the "
              "row layout (a program per row tile); auto = the flat layout (separate gate/up: 1024 elements per "
-             "program) or a row tile by intermediate size (fused gate_up)", auto_ok=True, min=16),
+             "program) or a row tile by intermediate size (fused gate_up)", auto_ok=True, min=16, max=BLOCK_MAX),
 )
 
 

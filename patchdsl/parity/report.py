@@ -174,5 +174,11 @@ class ParityReport:
         console.print(f"[{style}]{self.verdict}[/]")
 
     def exit_code(self) -> int:
-        """0 when parity holds, 1 when a check failed (the CLI's convention)."""
-        return 0 if self.passed else 1
+        """The CLI's exit code: 0 when parity holds, 1 when a comparison failed (or nothing was
+        compared), else 2 when only a site the spec requires was refused (bad input: the spec asks
+        for what this model cannot have; docs/reliability.md, "Exit codes")."""
+        if self.passed:
+            return 0
+        if self.rows and all(r.passed for r in self.rows) and self.refused_required:
+            return 2
+        return 1

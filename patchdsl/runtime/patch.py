@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from ..codegen import KernelKey, load_kernel
@@ -344,11 +343,7 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
     if isinstance(plan_or_spec, dict):                      # a plan file's JSON: checked like a fresh plan
         plan_or_spec = PatchPlan.from_json(plan_or_spec)
     elif isinstance(plan_or_spec, (str, os.PathLike)) and str(plan_or_spec).endswith(".json"):
-        try:
-            text = Path(plan_or_spec).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise PlanError(f"cannot read plan file {str(plan_or_spec)!r}: {e}") from None
-        plan_or_spec = PatchPlan.loads(text)
+        plan_or_spec = PatchPlan.load(plan_or_spec)
     fresh = not isinstance(plan_or_spec, PatchPlan)
     plan = make_plan(plan_or_spec, model, target=target) if fresh else plan_or_spec
     if unsharded_name(plan.model_class) != unsharded_name(type(model).__name__):

@@ -32,6 +32,7 @@ from pathlib import Path
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
+from .. import files
 from ..resources import grammar_path, specs_dir
 from .ast import Arg, AttentionDirective, ClassPattern, DefaultDirective, Flag, OpCall, Rule, Selector, Span, Spec
 from .errors import MAX_ERRORS, SpecError, did_you_mean
@@ -554,24 +555,14 @@ def _read_spec_text(path: Path, span: Span | None, ctx: _Ctx | None = None, show
     if path.suffix != ".kpatch":
         raise SpecError(f"'{shown}' is not a spec file: spec files are named NAME.kpatch", span)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise SpecError(f"cannot read '{shown}': {e.strerror or type(e).__name__}", span) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SpecError(f"'{shown}' is not a regular file", span)
-        with os.fdopen(fd, "rb", closefd=True) as f:
-            fd = -1
-            data = f.read(MAX_SPEC_BYTES + 1)
-    except OSError as e:
-        raise SpecError(f"cannot read '{shown}': {e.strerror or type(e).__name__}", span) from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    if len(data) > MAX_SPEC_BYTES:
-        raise SpecError(f"'{shown}' is too large for a spec (over {MAX_SPEC_BYTES:,} bytes)", at(),
-                        hint="a spec is a few lines: use globs rather than one rule per module")
+        data = files.read_bytes(path, "spec", limit=MAX_SPEC_BYTES, what="spec")
+    except files.FileReadError as e:
+        if e.reason == "too-large":
+            raise SpecError(f"'{shown}' is too large for a spec (over {MAX_SPEC_BYTES:,} bytes)", at(),
+                            hint="a spec is a few lines: use globs rather than one rule per module") from None
+        if e.reason == "not-regular":
+            raise SpecError(f"'{shown}' is not a regular file ({str(e).rpartition(': ')[2]})", span) from None
+        raise SpecError(str(e), span) from None
     if ctx is not None:
         ctx.bytes += len(data)
         if ctx.bytes > MAX_TOTAL_BYTES:
@@ -652,8 +643,10 @@ def read_spec(name: str | Path, *, include_dirs: tuple[Path | str, ...] | list =
     """Parse the spec file ``name`` (a path or a shipped spec's name); SpecError if missing or bad."""
     p = find_spec_file(name)
     if p is None:
-        if Path(str(name)).is_dir():
-            raise SpecError(f"'{name}' is a folder, not a spec file")
+        if files.is_dir(str(name)):
+            raise SpecError(f"'{files.show(name)}' is a folder, not a spec file")
+        if files.exists(str(name)):
+            raise SpecError(f"'{files.show(name)}' is not a regular file (a FIFO, a device or a socket)")
         raise spec_not_found(str(name))
     shown = _display_name(p, str(p))
     text = _read_spec_text(p, None, shown=shown)
