@@ -1097,6 +1097,23 @@ def families() -> dict[str, Family]:
             _LCE_SYNONYMS, ("hidden", "weight", "labels"), **_lce_shapes(), peers=(), flags={"mode": "fused"},
             peers_from="linear_cross_entropy",
             target_note="fwd+bwd <= 23 ms and <= 64 MB extra peak at 16384x1024x151936 (8NHV: 25.8 ms at 790 TFLOP/s)"),
+        # the label range check's cost (issue 22): the same kernels with check_labels=false, same run
+        LinearCrossEntropyFamily(
+            "linear_cross_entropy_nocheck", "fused_linear_cross_entropy",
+            "lm_head matmul + cross entropy, check_labels=false (label range check off; peers: linear_cross_entropy)",
+            ("hidden", "labels"), ("hidden",), ("weight",), ("loss",),
+            ("linear_cross_entropy", "fused_linear_cross_entropy"),
+            _LCE_SYNONYMS, ("hidden", "weight", "labels"), **_lce_shapes(), peers=(), flags={"check_labels": "false"},
+            peers_from="linear_cross_entropy",
+            target_note="the label check costs < 1% of fwd+bwd (ratio to linear_cross_entropy's patchdsl row)"),
+        LinearCrossEntropyFamily(
+            "linear_cross_entropy_fused_nocheck", "fused_linear_cross_entropy",
+            "lm_head matmul + cross entropy, mode=fused, check_labels=false (peers: linear_cross_entropy)",
+            ("hidden", "labels"), ("hidden",), ("weight",), ("loss",),
+            ("linear_cross_entropy", "fused_linear_cross_entropy"),
+            _LCE_SYNONYMS, ("hidden", "weight", "labels"), **_lce_shapes(), peers=(),
+            flags={"mode": "fused", "check_labels": "false"}, peers_from="linear_cross_entropy",
+            target_note="the label check costs < 1% of fwd+bwd (ratio to linear_cross_entropy_fused's patchdsl row)"),
         LinearLogprobsFamily(
             "linear_logprobs", "fused_linear_logprobs", "lm_head matmul + per-token log-prob and entropy",
             ("hidden", "labels"), ("hidden",), ("weight",), ("logprob", "entropy"),
