@@ -328,6 +328,10 @@ def resolve_here(plan: PatchPlan, model_cls: type | None = None) -> PatchPlan:
     for s in plan.sites:
         op = get_op(s.op)
         if not op.external:
+            for k in s.keys:        # a generated kernel this machine cannot run (fp8_linear off Hopper)
+                why = op.unavailable(k.param_dict)
+                if why:
+                    raise Unavailable(s, f"{s.path}: {s.op} cannot be used here: {why}")
             sites.append(s)
             continue
         for k in s.keys:
