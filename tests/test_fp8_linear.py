@@ -208,6 +208,27 @@ def test_verify_passes_emulated_sites_against_the_recipes_floor(recipe, dtype):
     assert max(r.rel_fro_err for r in site_rows) > 2.0 ** -8      # fp8, not bf16: the dtype floor alone would fail
 
 
+def test_verify_the_shipped_ops_around_fp8_projections():
+    """bench/specs/qwen3_fp8.kpatch (emulated, fp32): the fused MLP and attention sites call their fp8
+    projections, so they are judged with the fp8 floor too; the norms and the loss head keep fp32's
+    (the end-to-end rows take the fp8 floor)."""
+    from patchdsl.bench.e2e import resolve_spec
+    from patchdsl.parity.compare import FLOORS
+
+    text = open(resolve_spec("qwen3_fp8")).read().replace("dtype bf16, fp32", "dtype fp32")
+    report = patchdsl.verify(text.replace("recipe=rowwise", "recipe=rowwise, emulate=true"),
+                             lambda: tiny_model("qwen3", num_hidden_layers=1), dtype="fp32", batch=2, seq=8,
+                             device="cpu")
+    assert report.passed, [(r.path, r.quantity, r.rel_fro_err, r.tolerance) for r in report.failures()]
+    floors = {s["path"]: s.get("floor") for s in report.sites}
+    fp8 = fp8op.tolerance_floor("rowwise", "fp32")
+    assert floors["model.layers.0.mlp"] == pytest.approx(fp8) and floors["model.layers.0.self_attn"] == pytest.approx(fp8)
+    assert floors["model.layers.0.input_layernorm"] is None and floors["model.norm"] is None
+    assert floors["lm_head"] is None            # its check runs the head alone, on captured hidden states
+    norm_rows = [r for r in report.rows if r.kind == "site" and r.path == "model.norm"]
+    assert norm_rows and all(r.tolerance <= 4 * r.reference_err + FLOORS["fp32"] * 1.0001 for r in norm_rows)
+
+
 # ------------------------------------------------------------------------------ on a Hopper GPU
 fp8_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
                              reason="needs a CUDA GPU with fp8 tensor cores (compute capability >= 8.9)")
@@ -255,3 +276,18 @@ def test_gpu_verify_passes_real_fp8_sites():
                              batch=2, seq=16, device="cuda")
     assert report.passed, [(r.path, r.quantity, r.rel_fro_err, r.tolerance) for r in report.failures()]
     assert len(report.sites) == 7
+
+
+@pytest.mark.parametrize("family,n_proj", [("Qwen/Qwen3-0.6B", 7), ("meta-llama/Llama-3.2-1B", 7)])
+def test_bench_fp8_spec_plans_every_projection_of_the_real_shapes(gpu, family, n_proj):
+    """bench/specs/qwen3_fp8.kpatch's rule on the full architectures (meta device, a pretend H200):
+    every projection's dimensions are multiples of 16, so every one is an fp8 site."""
+    from patchdsl.bench.e2e import resolve_spec
+    from patchdsl.models import load_model
+
+    gpu((9, 0), "NVIDIA H200")
+    model = load_model(family, meta=True, log=None).model
+    rule = [ln for ln in open(resolve_spec("qwen3_fp8")).read().splitlines() if "fp8_linear" in ln]
+    p = patchdsl.plan("dtype bf16\n" + "\n".join(rule) + "\n", model, target="cuda", dtypes=("bf16",))
+    assert len(p.sites) == n_proj * model.config.num_hidden_layers
+    assert all(a == b for _, a, b in p.totals), p.totals

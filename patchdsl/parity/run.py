@@ -292,14 +292,20 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int 
 
 def _site_tolerances(live, dtype: str, tol: Tolerance, floor: float | None) -> dict[str, Tolerance]:
     """Per site: ``tol``, or (unless ``floor`` was given explicitly) the op's own floor
-    (:meth:`patchdsl.ops.base.Op.parity_floor`) where it states one."""
+    (:meth:`patchdsl.ops.base.Op.parity_floor`) where it states one, or the loosest floor of the
+    sites its module runs (an MLP site whose projections are fp8 sites: its output carries their error)."""
     from ..ops.registry import get_op
 
-    out = {}
+    own = {}
     for s in live:
         op = get_op(s.op)
         f = op.parity_floor(s.flag_dict, dtype) if op is not None and floor is None else None
-        out[s.path] = tol if f is None else Tolerance(tol.factor, max(float(f), tol.floor))
+        if f is not None:
+            own[s.path] = float(f)
+    out = {}
+    for s in live:      # by the site's module (an LM head's check runs the head alone, on captured hidden states)
+        inner = [f for p, f in own.items() if p == s.path or s.path == "" or p.startswith(s.path + ".")]
+        out[s.path] = Tolerance(tol.factor, max(max(inner), tol.floor)) if inner else tol
     return out
 
 
