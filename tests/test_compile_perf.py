@@ -120,6 +120,7 @@ def _same(loss_c, grads_c, loss_e, grads_e):
     assert rel(grads_c[worst], grads_e[worst]) <= TOL, worst
 
 
+@pytest.mark.slow
 def test_compile_model_traces_no_mask_and_saves_less_than_plain_compile():
     ids, labels = batch(1)
     plain = Graphs()
