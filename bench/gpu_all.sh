@@ -25,7 +25,10 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): label_check (90 s; linear CE with the label check on and off), sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
+# By name only (not in "all"): compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
+# (regional) vs patchdsl.compile_model (whole) vs plain torch.compile of the patched model, each in its own process;
+# COMPILE_VARIANTS picks rows, e.g. COMPILE_VARIANTS=compile T_COMPILE_PERF=300 T_VARIANT=280 for torch.compile alone),
+# label_check (90 s; linear CE with the label check on and off), sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
 # host_breakdown (80 s; bench/host_breakdown.py, plus --root .old and a comparison when .old/ is carried): bench ops
 # --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
 # part, patchdsl vs Liger per family), host time fast vs normal launch, bench/kern_sweep.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
@@ -53,7 +56,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="label_check sweep specialise profile amdahl host_ab kern_sweep flce host_breakdown"     # not in "all": the first round's other parts, by name only
+EXTRA="compile_perf label_check sweep specialise profile amdahl host_ab kern_sweep flce host_breakdown"     # not in "all": the first round's other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -142,6 +145,7 @@ for part in $PARTS; do
     kern_sweep) lim=$(limit kern_sweep 90) ;;
     flce) lim=$(limit flce 120) ;;
     label_check) lim=$(limit label_check 90) ;;
+    compile_perf) lim=$(limit compile_perf 200) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -236,6 +240,15 @@ for part in $PARTS; do
           --ops "${HOST_OPS:-swiglu,rope,qk_norm_rope,add_rmsnorm,cross_entropy,linear_cross_entropy}" \
           --json "$WORK/ops_host.json" --no-png --budget $(( l2 - 8 ))
       fi
+      ;;
+    compile_perf)   # issue 26 item 1: does compile pay? tokens/s, peak, warm-up, graph breaks, loss vs eager patchdsl
+      e2e compile_perf "$lim" --model Qwen/Qwen3-0.6B --batch 16 --seq 2048 --steps "${COMPILE_STEPS:-8}" --warmup 2 \
+        --compile-warmup "${COMPILE_WARMUP:-3}" --no-oom-retry --variant-timeout "${T_VARIANT:-110}" \
+        --variants "${COMPILE_VARIANTS:-patchdsl,patchdsl+regional,patchdsl+compile,patchdsl+plain_compile}"
+      v=$(python3 bench/compile_verdict.py "$WORK/compile_perf.json" 2>>"$LOG")
+      say "${v:-compile_perf verdict: none (no JSON)}"
+      echo "${v:-compile_perf verdict: none}" >>"$WORK/summary.parts"
+      status+=("$(echo "${v:-compile_perf: no verdict}" | tail -n 1)")
       ;;
     label_check)   # the label range check's cost (issue 22): linear CE with check_labels on and off, same run
       run_part label_check "$lim" python3 -m patchdsl.cli bench ops --no-sweep --no-png --impls patchdsl,liger \

@@ -23,7 +23,7 @@ from .syntax import SpecError, load_spec, parse_spec
 
 __all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply", "unpatch", "verify",
            "PatchdslArguments", "TrainingArguments", "PatchdslCallback", "patch_for_training",
-           "graph_step", "GraphStepError"]
+           "graph_step", "GraphStepError", "compile_model", "compile_layers"]
 
 _LAZY = {
     "PatchdslArguments": ("patchdsl.integrations.args", "PatchdslArguments"),
@@ -31,6 +31,8 @@ _LAZY = {
     "patch_for_training": ("patchdsl.integrations.trainer", "patch_for_training"),
     "graph_step": ("patchdsl.runtime.graphs", "graph_step"),           # CUDA-graph capture of a training step
     "GraphStepError": ("patchdsl.runtime.graphs", "GraphStepError"),
+    "compile_model": ("patchdsl.runtime.compile", "compile_model"),     # torch.compile, mask as in eager
+    "compile_layers": ("patchdsl.runtime.compile", "compile_layers"),   # regional compile: each decoder layer
 }
 
 

@@ -328,6 +328,10 @@ def resolve_here(plan: PatchPlan, model_cls: type | None = None) -> PatchPlan:
     for s in plan.sites:
         op = get_op(s.op)
         if not op.external:
+            for k in s.keys:        # a generated kernel this machine cannot run (fp8_linear off Hopper)
+                why = op.unavailable(k.param_dict)
+                if why:
+                    raise Unavailable(s, f"{s.path}: {s.op} cannot be used here: {why}")
             sites.append(s)
             continue
         for k in s.keys:
@@ -630,7 +634,8 @@ def _load_plan(d: Any) -> PatchPlan:
         target = d.get("target")
         _need(target in _TARGETS, "plan.target", f"expected one of {', '.join(_TARGETS)}")
         dtypes = tuple(_list(d.get("dtypes"), "plan.dtypes"))
-        _need(0 < len(dtypes) <= 3 and len(set(dtypes)) == len(dtypes) and all(x in _DTYPES for x in dtypes),
+        _need(0 < len(dtypes) <= 3 and all(isinstance(x, str) and x in _DTYPES for x in dtypes)
+              and len(set(dtypes)) == len(dtypes),
               "plan.dtypes", f"expected distinct values among {', '.join(_DTYPES)}")
         model_type = d.get("model_type")
         _need(model_type is None or (isinstance(model_type, str) and bool(_FACT_STRINGS.fullmatch(model_type))),

@@ -98,6 +98,8 @@ OPCHECK_RUNS = {
     "phi": (tiny_phi, "dtype fp32\n*.input_layernorm, model.final_layernorm: LayerNorm -> fused_layernorm\n"),
     # the labels loss from per-token log-probs; chunks of 3 do not divide the 4 shifted tokens
     "logprobs": (lambda: tiny("qwen3"), "dtype fp32\nlm_head: Linear -> fused_linear_logprobs(chunk=3)\n"),
+    # fp8 projections, emulated (fp8 matmuls are refused on the CPU); q_proj has no bias, Qwen2's has one
+    "fp8": (lambda: tiny("qwen2"), "dtype fp32\n*.mlp.down_proj, *.self_attn.q_proj: Linear -> fp8_linear(emulate=true)\n"),
 }
 
 

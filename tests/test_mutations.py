@@ -101,6 +101,8 @@ SPECS = {
     "fused_linear_cross_entropy": "lm_head: Linear -> fused_linear_cross_entropy(chunk=16)\n",
     "fused_linear_logprobs": "lm_head: Linear -> fused_linear_logprobs(chunk=16)\n",
     "fused_linear_jsd": "lm_head: Linear -> fused_linear_jsd(chunk=16)\n",
+    # emulated: the recipe's numerics on the CPU (fp8 matmuls are refused off Hopper); verify's floor is the recipe's
+    "fp8_linear": "*.mlp.{gate_proj,up_proj,down_proj}, *.self_attn.{q_proj,o_proj}: Linear -> fp8_linear(emulate=true)\n",
 }
 
 
@@ -300,6 +302,14 @@ ALL_MUTATIONS = [
              (Edit(r"m = offs < n_elem$", "m = offs < n_elem - 1", GLU_FWD),     # the flat layout (default)
               Edit(r"out = torch\.empty_like\(", "out = torch.zeros_like(", r"^def swiglu_forward\(")),
              dtype="fp32", expect=("output",)),
+    # ---- fp8_linear (rowwise, emulated): a dequantisation factor off by 2 is an O(1) error, beyond the
+    #      recipe's bound (0.25 + the dtype floor) that a correct fp8 projection stays well within
+    Mutation("fp8_linear", "grad_weight_scale_doubled",
+             (Edit(r"dw = scaled_mm\(dtq, dts, xtq, xts,", "dw = scaled_mm(dtq, dts, xtq, 2 * xts,",
+                   r"^def fp8_linear_backward\("),), expect=("grad_weight",)),
+    Mutation("fp8_linear", "weight_scale_not_inverted",
+             (Edit(r"y = scaled_mm\(xq, xs, wq, ws,", "y = scaled_mm(xq, xs, wq, ws.reciprocal(),",
+                   r"^def fp8_linear_forward\("),), dtype="fp32", expect=("output",)),
     # ---- fused_geglu (Gemma 3: tanh GELU)
     Mutation("fused_geglu", "dup_without_activation",
              (Edit(r"\(dy \* a\)", "(dy * g)", GLU_BWD),), model="gemma3", expect=("grad_up_proj.weight",)),

@@ -119,8 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int, default=None, help="measured steps (default 5; 2 tiny)")
     e.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; 1 tiny)")
     e.add_argument("--variants", default="hf,patchdsl,liger",
-                   help="comma-separated, run in this order: hf,compile,liger,patchdsl,patchdsl+compile,"
-                        "patchdsl+graphs (the patched step as one CUDA graph; CUDA only)")
+                   help="comma-separated, run in this order: hf,compile,liger,patchdsl,patchdsl+compile "
+                        "(patchdsl.compile_model),patchdsl+regional (patchdsl.compile_layers),patchdsl+plain_compile "
+                        "(torch.compile of the patched model),patchdsl+graphs (the patched step as one CUDA graph; CUDA only)")
     e.add_argument("--tiny", action="store_true", help="tiny architecture (default on the CPU)")
     e.add_argument("--budget", type=float, default=1e9,
                    help="seconds for the whole run: rows not started by then are skipped, a running one is stopped")
@@ -130,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--in-process", action="store_true", help="every row in this process (no isolation)")
     e.add_argument("--compile-backend", default="inductor")
     e.add_argument("--compile-mode", default=None, help="torch.compile mode (default: its default)")
+    e.add_argument("--compile-warmup", type=int, default=None,
+                   help="warm-up steps of the compiled rows (default: --warmup); the compile happens in them")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--quiet", action="store_true")
 
@@ -273,7 +276,7 @@ def run(argv: list[str]) -> int:
                        variants=_csv(a.variants) or ("hf", "patchdsl"), tiny=tiny, budget_s=a.budget,
                        variant_timeout_s=a.variant_timeout, oom_retry=not a.no_oom_retry, isolate=not a.in_process,
                        compile_backend=a.compile_backend, compile_mode=a.compile_mode,
-                       json_path=path, seed=a.seed, quiet=a.quiet)
+                       compile_warmup=a.compile_warmup, json_path=path, seed=a.seed, quiet=a.quiet)
         try:
             plan_rows(o)
         except ValueError as ex:

@@ -8,7 +8,12 @@ same batches:
 * ``liger``: ``liger_kernel.transformers.apply_liger_kernel_to_<model_type>(model=...)``;
 * ``patchdsl``: ``patchdsl.apply(plan, model)`` with the spec (rules whose op is not in the
   registry yet are dropped and listed in the result);
-* ``patchdsl+compile``: ``torch.compile`` of the patched model;
+* ``patchdsl+compile``: ``patchdsl.compile_model`` of the patched model (``torch.compile`` of the whole
+  model with transformers' mask decisions as in eager: no materialised causal mask);
+* ``patchdsl+regional``: ``patchdsl.compile_layers`` (each decoder layer compiled, torchtitan's
+  regional compile; mask, embedding, final norm and loss head eager);
+* ``patchdsl+plain_compile``: plain ``torch.compile(model)`` of the patched model (what a user gets
+  without patchdsl's helpers: transformers builds a full mask under Dynamo);
 * ``patchdsl+graphs``: the patched model's whole step (forward, backward, AdamW with
   ``capturable=True``) captured once as a CUDA graph by ``patchdsl.graph_step`` and replayed for
   every batch (CUDA only).  Its capture (warm-up + capture, the model state restored) is
@@ -66,8 +71,10 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)
 
-VARIANTS = ("hf", "compile", "liger", "patchdsl", "patchdsl+compile", "patchdsl+graphs")
-PATCHED = ("patchdsl", "patchdsl+compile", "patchdsl+graphs")
+VARIANTS = ("hf", "compile", "liger", "patchdsl", "patchdsl+compile", "patchdsl+regional", "patchdsl+plain_compile",
+            "patchdsl+graphs")
+PATCHED = ("patchdsl", "patchdsl+compile", "patchdsl+regional", "patchdsl+plain_compile", "patchdsl+graphs")
+COMPILED = ("compile", "patchdsl+compile", "patchdsl+regional", "patchdsl+plain_compile")
 GRAPHED = ("patchdsl+graphs",)
 UNPATCHED = ("hf", "compile")          # the loss reference, in this order of preference
 KIND = "patchdsl-bench-e2e"
@@ -97,6 +104,7 @@ class E2EOptions:
     isolate: bool = True                # a fresh process per row
     compile_backend: str = "inductor"
     compile_mode: str | None = None
+    compile_warmup: int | None = None   # warm-up steps of the compiled rows (default: warmup)
     json_path: str | None = None
     quiet: bool = False
 
@@ -366,13 +374,38 @@ def train(model, batches: list[dict], o: E2EOptions, micro: int, graphed: bool =
     return res
 
 
-def _compile(model, o: E2EOptions):
+def _compile(model, o: E2EOptions, how: str = "plain"):
+    """``how``: plain ``torch.compile``, ``model`` (patchdsl.compile_model) or ``regional``
+    (patchdsl.compile_layers, in place)."""
     import torch
 
     kw: dict[str, Any] = {"backend": o.compile_backend}
     if o.compile_mode:
         kw["mode"] = o.compile_mode
+    if how == "model":
+        from ..runtime.compile import compile_model
+
+        return compile_model(model, **kw)
+    if how == "regional":
+        from ..runtime.compile import compile_layers
+
+        compile_layers(model, **kw)
+        return model
     return torch.compile(model, **kw)
+
+
+def compile_stats() -> dict[str, Any]:
+    """Dynamo's counters after the run: graph breaks (by reason), frames and graphs compiled, recompilations."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception as e:  # pragma: no cover
+        return {"error": _first_line(e)}
+    breaks = dict(counters.get("graph_break", {}))
+    return {"graph_breaks": int(sum(breaks.values())), "break_reasons": {str(k)[:200]: v for k, v in list(breaks.items())[:8]},
+            "frames": int(counters.get("frames", {}).get("total", 0)),
+            "frames_ok": int(counters.get("frames", {}).get("ok", 0)),
+            "unique_graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
+            "recompiles": int(sum(counters.get("recompiles", {}).values())) if counters.get("recompiles") else 0}
 
 
 def _prepare(variant: str, model, o: E2EOptions, spec: str | None = None) -> tuple[Any, dict]:
@@ -389,9 +422,10 @@ def _prepare(variant: str, model, o: E2EOptions, spec: str | None = None) -> tup
         info.update({"spec": path, "dropped_rules": dropped, "patched_sites": len(handle.patched),
                      "refused": [str(r) for r in handle.refused],
                      "totals": [{"name": n, "patched": a, "present": b} for n, a, b in plan.totals]})
-        if variant == "patchdsl+compile":
-            info["compile"] = {"backend": o.compile_backend, "mode": o.compile_mode}
-            return _compile(model, o), info
+        how = {"patchdsl+compile": "model", "patchdsl+regional": "regional", "patchdsl+plain_compile": "plain"}.get(variant)
+        if how is not None:
+            info["compile"] = {"backend": o.compile_backend, "mode": o.compile_mode, "how": how}
+            return _compile(model, o, how), info
         return model, info
     if variant == "compile":
         info["compile"] = {"backend": o.compile_backend, "mode": o.compile_mode}
@@ -429,8 +463,12 @@ def _first_line(e: BaseException) -> str:
 
 def run_row(o: E2EOptions, row: Row, micro: int, snapshot: dict | None = None) -> dict[str, Any]:
     """Build, prepare and train one row in this process.  status: ok / oom / error."""
+    import dataclasses
+
     import torch
 
+    if row.variant in COMPILED and o.compile_warmup is not None:
+        o = dataclasses.replace(o, warmup=o.compile_warmup)
     rec: dict[str, Any] = {"variant": row.name, "base": row.variant, "status": "ok"}
     if row.spec_label:
         rec["spec_label"] = row.spec_label
@@ -446,6 +484,9 @@ def run_row(o: E2EOptions, row: Row, micro: int, snapshot: dict | None = None) -
         rec.update(info)
         batches = make_batches(vocab, o, o.device, row.batch)
         rec.update(train(model, batches, o, micro, graphed=row.variant in GRAPHED))
+        if row.variant in COMPILED:
+            rec["compile_stats"] = compile_stats()
+            rec["warmup_s"] = float(sum(rec.get("warmup_step_s", [])))
     except torch.cuda.OutOfMemoryError as e:
         rec.update(status="oom", error=_first_line(e), micro_batch=micro)
     except Exception as e:
@@ -733,6 +774,14 @@ def _agreement(variants: list[dict]) -> tuple[str | None, dict[str, Any]]:
             out[v["variant"]] = {"reference": ref["variant"], "first_step_abs_diff": d[0] if d else None,
                                  "max_abs_diff": max(d) if d else None,
                                  "max_rel_diff": max((x / abs(c) for x, c in zip(d, ref["losses"]) if c), default=None)}
+        # compiled patched rows also against the eager patched row of the same spec (the compile's own error)
+        for v in same:
+            spec_eager = next((e for e in same if e.get("base") == "patchdsl" and e.get("spec_label") == v.get("spec_label")),
+                              None)
+            if v.get("base") in COMPILED and spec_eager is not None and spec_eager is not v:
+                n = min(len(v["losses"]), len(spec_eager["losses"]))
+                d = [abs(a - c) for a, c in zip(v["losses"][:n], spec_eager["losses"][:n])]
+                out.setdefault(v["variant"], {})["vs_patchdsl_max_abs_diff"] = max(d) if d else None
     return refname, out
 
 
@@ -744,6 +793,10 @@ def _line(rec: dict) -> str:
     host = f", host issues a step in {rec['host_issue_ms']:.1f} ms" if rec.get("host_issue_ms") is not None else ""
     if rec.get("capture_s") is not None:
         host += f", captured in {rec['capture_s']:.1f} s"
+    if rec.get("compile_stats") is not None:
+        cs = rec["compile_stats"]
+        host += (f", warm-up {rec.get('warmup_s', 0):.1f} s, {cs.get('graph_breaks')} graph break(s), "
+                 f"{cs.get('unique_graphs')} graph(s)")
     return (f"{rec['variant']}: {rec['tokens_per_s']:,.0f} tokens/s, {rec['step_ms']:.1f} ms/step{mem}{host}, "
             f"micro-batch {rec['micro_batch']}, losses {', '.join(f'{x:.4f}' for x in rec['losses'][:3])}")
 

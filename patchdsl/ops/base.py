@@ -183,7 +183,8 @@ class Op:
         """Why the kernel of ``params`` cannot be had on this machine (None if it can).
 
         Called when a plan is made for this machine, so a missing package or kernel is an error
-        naming the site before anything runs.  Generated ops are always available."""
+        naming the site before anything runs.  Generated ops are available unless their kernel needs
+        hardware this machine lacks (fp8_linear: fp8 tensor cores)."""
         return None
 
     def resolved_source(self, params: Mapping[str, Any]) -> str:
@@ -252,6 +253,11 @@ class Op:
         import types
 
         return [(host, "forward", types.MethodType(self.make_forward(host, kernels, flags, info), host))]
+
+    def parity_floor(self, flags: Mapping[str, Any], dtype: str) -> float | None:
+        """verify's floor for this op's sites instead of the dtype's (None: the dtype's).  Ops that are
+        not exact by design (fp8_linear) state their bound here."""
+        return None
 
     # ---- verify (patchdsl.parity): ops whose calls the unpatched model cannot answer ------------
     def parity_reference(self, host: Any, flags: Mapping[str, Any]) -> list[tuple[Any, str, Any]]:

@@ -226,6 +226,11 @@ def _check_optimizer(optimizer: Any, optimizer_step: bool) -> None:
 
 
 def _check_model(model: Any) -> None:
+    from .compile import cudagraph_conflict
+
+    conflict = cudagraph_conflict(model)
+    if conflict:
+        raise GraphStepError(conflict)
     # transformers 5.x: is_gradient_checkpointing (deprecated in later 5.x for is_activation_checkpointing)
     names = ("is_activation_checkpointing", "is_gradient_checkpointing")
     name = next((n for n in names if n in getattr(model, "__dict__", {}) or hasattr(type(model), n)), None)
