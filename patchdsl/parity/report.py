@@ -41,7 +41,7 @@ def _num(v: Any) -> Any:
 
 def _fmt(v: float) -> str:
     if isinstance(v, float) and math.isnan(v):
-        return "nan"
+        return "-"          # not measured (the row's note says why), never a computed NaN
     if isinstance(v, float) and math.isinf(v):
         return "inf"
     return f"{v:.2e}"
