@@ -297,7 +297,7 @@ SEED = click.IntRange(0, 2 ** 63 - 1)
 @click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Measured training steps (default: 3 on CPU, 20 on GPU).")
 @click.option("--batch", type=click.IntRange(1, MAX_BATCH), help="Batch size (default: 1 on CPU, 16 on GPU).")
 @click.option("--seq", type=click.IntRange(2, MAX_SEQ), help="Sequence length (default: 16 on CPU, 2048 on GPU).")
-@click.option("--dtype", type=DTYPES, help="Model dtype (default: bf16 on GPU, fp32 on CPU; as verify).")
+@click.option("--dtype", type=DTYPES, help="Model dtype (default: bf16 on GPU, fp32 on CPU, as verify).")
 @click.option("--device", help="cpu or cuda[:N] (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
 @click.option("--lr", type=click.FloatRange(0, 10, min_open=True), default=1e-4, show_default=True, callback=_finite,
@@ -363,7 +363,7 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
             def advance(n):
                 before = seen[0]
                 seen[0] += n
-                counted = max(0, seen[0] - warm) - max(0, before - warm)
+                counted = measured_steps(before, seen[0], warm)
                 if before < warm <= seen[0]:
                     prog.update(t, description=f"training {label}")
                 if counted:
@@ -416,6 +416,12 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
         sys.exit(EXIT_BAD_INPUT)
 
 
+def measured_steps(before: int, after: int, warmup: int) -> int:
+    """How many of the steps ``before+1 .. after`` (counted from 1) are measured, the first
+    ``warmup`` steps being warm-up: what apply's progress bar advances by."""
+    return max(0, after - warmup) - max(0, before - warmup)
+
+
 def _run_json(r, speed: bool) -> dict:
     d = r.to_json()
     if not speed:
@@ -429,7 +435,7 @@ def _run_json(r, speed: bool) -> dict:
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
 @click.option("--dtype", type=DTYPES,
-              help="Dtype of the model under test (default: bf16 on GPU, fp32 on CPU; as apply). The reference "
+              help="Dtype of the model under test (default: bf16 on GPU, fp32 on CPU, as apply); the reference "
                    "runs in float64.")
 @click.option("--batch", type=click.IntRange(1, MAX_BATCH), default=2, show_default=True,
               help="Batch size of the verification inputs.")
