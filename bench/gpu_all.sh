@@ -25,10 +25,11 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): label_check (90 s; linear CE with the label check on and off), sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
-# host_breakdown (80 s; bench/host_breakdown.py, plus --root .old and a comparison when .old/ is carried): bench ops
-# --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
-# part, patchdsl vs Liger per family), host time fast vs normal launch, bench/kern_sweep.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
+# By name only (not in "all"): label_check (90 s; linear CE with the label check on and off), sweep (300 s; bench ops
+# --sweep-only), specialise (120 s; bench specialise), host_breakdown (80 s; bench/host_breakdown.py, plus --root .old
+# and a comparison when .old/ is carried); SWEEP_ARGS / SPEC_ARGS add arguments.  The one-off investigations of the
+# first rounds (kernel variant sweeps, PTX registers, profiler tables, linear CE tiles, graph profiles, host probes)
+# are answered in bench/NOTES.md, their results committed under bench/results/; their scripts were removed.
 #
 # Limits: T_<PART> (upper case), e.g. T_TESTS=60.  Variants and specs: QWEN3_VARIANTS, SPECS_VARIANTS,
 # E2E_STEPS (10).  DRY=1 writes the commands into bench.log instead of running them.  Hook scripts (f) run as `python3 bench/X.py` with PART_OUT set to a folder whose files
@@ -53,7 +54,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="label_check sweep specialise profile amdahl host_ab kern_sweep flce host_breakdown"     # not in "all": the first round's other parts, by name only
+EXTRA="label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -135,12 +136,7 @@ for part in $PARTS; do
     e2e_specs) lim=$(limit e2e_specs 40) ;;
     sweep)   lim=$(limit sweep 300) ;;
     specialise) lim=$(limit specialise 120) ;;
-    profile) lim=$(limit profile 90) ;;
-    amdahl) lim=$(limit amdahl 200) ;;
-    host_ab) lim=$(limit host_ab 90) ;;
     host_breakdown) lim=$(limit host_breakdown 80) ;;
-    kern_sweep) lim=$(limit kern_sweep 90) ;;
-    flce) lim=$(limit flce 120) ;;
     label_check) lim=$(limit label_check 90) ;;
   esac
   if [ "$lim" -lt 10 ]; then
@@ -254,19 +250,6 @@ for part in $PARTS; do
       run_part specialise "$lim" python3 -m patchdsl.cli bench specialise --json "$WORK/specialise.json" \
         --budget $(( lim - 25 )) ${SPEC_ARGS:-}
       ;;
-    profile)   # torch.profiler kernel tables, into bench.log
-      run_part profile "$lim" python3 bench/profile_gpu.py ${PROF_ARGS:-}
-      ;;
-    host_ab)   # host time per forward, fast launch vs Triton's launcher (PATCHDSL_FAST_LAUNCH=0), patchdsl alone
-      ops="${HOST_OPS:-rmsnorm,geglu,swiglu,rope,qk_norm_rope,add_rmsnorm,linear_cross_entropy,linear_logprobs}"
-      for mode in 1 0; do
-        PATCHDSL_FAST_LAUNCH=$mode run_part "host_ab_fast$mode" $(( lim / 2 )) python3 -m patchdsl.cli bench ops \
-          --impls patchdsl --no-sweep --target-ms 20 --ops "$ops" --json "$WORK/host_fast$mode.json" --no-png \
-          --budget $(( lim / 2 - 8 ))
-      done
-      python3 bench/host_table.py "$WORK/host_fast1.json" "$WORK/host_fast0.json" >"$WORK/host_ab.txt" 2>>"$LOG"
-      cat "$WORK/host_ab.txt" | tee -a "$LOG" >>"$WORK/summary.parts"
-      ;;
     host_breakdown)   # where one forward's host time goes (bench/host_breakdown.py); with an older checkout
                       # extracted under .old/ (git archive, carried), that version's host code first, then a comparison
       if [ -d .old/patchdsl ]; then
@@ -277,28 +260,6 @@ for part in $PARTS; do
         [ -f "$WORK/host_breakdown_old.json" ] && python3 bench/host_breakdown.py --compare "$WORK/host_breakdown_old.json" \
           "$WORK/host_breakdown.json"; } >"$WORK/host_breakdown.txt" 2>>"$LOG"
       cat "$WORK/host_breakdown.txt" | tee -a "$LOG" >>"$WORK/summary.parts"
-      ;;
-    flce)   # the fully fused linear CE (mode=fused): tile sweep at both issue shapes (its output into bench.log and
-            # flce.txt), then bench ops of the fused family vs the chunked mode, torch.compile, Liger and CCE
-      t0f=$(now); lf=$(( lim * 60 / 100 ))
-      run_part flce_sweep "$lf" python3 bench/flce_sweep.py --budget $(( lf - 10 )) ${FLCE_ARGS:-}
-      sed -n '/flce_sweep (limit/,$p' "$LOG" | grep -v "^== " >"$WORK/flce.txt" 2>/dev/null
-      lb=$(( lim - ($(now) - t0f) ))
-      if [ "$lb" -ge 15 ]; then
-        run_part flce_ops "$lb" python3 -m patchdsl.cli bench ops --ops linear_cross_entropy_fused --no-sweep \
-          --json "$WORK/ops_flce.json" --no-png --budget $(( lb - 8 )) --target-ms 60
-      fi
-      ;;
-    kern_sweep)   # RMSNorm / GLU kernel variants (bench/kern_sweep.py)
-      mkdir -p "$WORK/kern"
-      run_part kern_sweep "$lim" python3 bench/kern_sweep.py --budget-s $(( lim - 15 )) --out "$WORK/kern" ${KERN_ARGS:-}
-      [ -f "$WORK/kern/kern_sweep.txt" ] && cat "$WORK/kern/kern_sweep.txt" >>"$WORK/summary.parts"
-      ;;
-    amdahl)    # GPU time of one step by part, patchdsl vs Liger, per family: the bound on patchdsl/Liger
-      mkdir -p "$WORK/amdahl"
-      run_part amdahl "$lim" python3 bench/profile_gpu.py --what amdahl --out "$WORK/amdahl" \
-        --worker-timeout $(( lim / 6 > 20 ? lim / 6 : 20 )) ${AMDAHL_ARGS:-}
-      cat "$WORK"/amdahl/amdahl_*.txt >>"$WORK/summary.parts" 2>/dev/null
       ;;
   esac
   pack

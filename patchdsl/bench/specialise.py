@@ -108,7 +108,7 @@ TUNE: dict[str, tuple[Variant, ...]] = {
         Variant(f"chunk_{c}", lambda p, c=c: {"chunk": c}, f"{c} tokens per chunk") for c in (512, 1024, 2048)
     ) + (Variant("chunk_1024_pps1", lambda p: {"chunk": 1024, "programs_per_sm": 1},
                  "1024 tokens per chunk, persistent row kernel 1/SM"),),
-    # fused linear CE: a few tiles for both kernels (bench/flce_sweep.py times every tile, the two
+    # fused linear CE: a few tiles for both kernels (the tile sweep of bench/NOTES.md timed every tile, the two
     # kernels separately, and picks the best pair)
     "linear_cross_entropy_fused": tuple(
         Variant(f"tile_{t}", lambda p, t=t: {"tile": t, "grad_tile": t}, f"both kernels in tiles {t}")
