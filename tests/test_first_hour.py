@@ -342,3 +342,27 @@ def test_verify_takes_torch_dtypes_and_strings(given, name):
     if given.startswith("torch."):
         assert _dtype_name(getattr(torch, given[6:])) == name
     assert _dtype_name(torch.bfloat16) == "bf16"
+
+
+# ---------------------------------------------------------------- bench: exit status and where results go
+@pytest.mark.parametrize("correct,code", [(True, 0), (False, 1), (None, 0)])
+def test_bench_ops_exit_status_follows_the_kernel_results(correct, code, tmp_path, monkeypatch, capsys):
+    from patchdsl.bench import cli as bench_cli, runner
+
+    def fake_run_ops(opts):
+        rows = [{"op": "rmsnorm", "label": "6x256", "impl": "patchdsl", "group": "tiny", "status": "ok",
+                 "host_fwd_us": 5000.0, "fwd_ms": 1.0, "correct": correct, "err_max": 0.5}]
+        doc = {"kind": "patchdsl-bench-ops", "env": {"device": "cpu"}, "results": rows, "comparisons": [],
+               "complete": True}
+        Path(opts.json_path).write_text(json.dumps(doc))
+        return doc
+
+    monkeypatch.setattr(runner, "run_ops", fake_run_ops)
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert bench_cli.run(["ops", "--device", "cpu", "--no-png"]) == code
+    err = capsys.readouterr().err
+    assert ("result was wrong" in err) is (code == 1)
+    made = list((tmp_path / "bench-results").iterdir())
+    assert len(made) == 1 and (made[0] / "ops.json").is_file() and not (tmp_path / "ops.json").exists()
+    assert bench_cli.run(["summary", str(made[0] / "ops.json")]) == code
