@@ -188,13 +188,16 @@ def _is_sync_error(e: BaseException) -> bool:
 
 
 def _user_frame(tb: Any) -> str | None:
-    """The innermost frame of a traceback outside torch and this file: the line that asked for the sync."""
+    """The innermost frame of a traceback outside torch and graph_step's own files: the line that asked
+    for the sync."""
     torch = _torch()
-    skip = (os.path.dirname(torch.__file__), os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(__file__))
+    own = {os.path.join(here, n) for n in ("graphs.py", "graph_checks.py", "graph_capture.py")}
+    skip = os.path.dirname(torch.__file__)
     frames = traceback.extract_tb(tb)
     for fr in reversed(frames):
         fn = os.path.abspath(fr.filename)
-        if fn.startswith(skip[0]) or fn == skip[1]:
+        if fn.startswith(skip) or fn in own:
             continue
         return f"{fr.filename}:{fr.lineno} in {fr.name}" + (f": {fr.line.strip()}" if fr.line else "")
     return None
