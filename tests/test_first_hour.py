@@ -366,3 +366,62 @@ def test_bench_ops_exit_status_follows_the_kernel_results(correct, code, tmp_pat
     made = list((tmp_path / "bench-results").iterdir())
     assert len(made) == 1 and (made[0] / "ops.json").is_file() and not (tmp_path / "ops.json").exists()
     assert bench_cli.run(["summary", str(made[0] / "ops.json")]) == code
+
+
+# ---------------------------------------------------------------- the README's two commands
+def _readme_commands() -> dict[str, str]:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```\n(pip install [^\n]+)\n```", text)
+    return {"main": next(b for b in blocks if "patchdsl apply" in b), "test": next(b for b in blocks if "pytest" in b)}
+
+
+def test_ci_runs_exactly_the_readmes_test_command_and_the_main_job_installs_no_extras():
+    cmds = _readme_commands()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert cmds["test"] in ci, (cmds["test"], ci)
+    assert "pip install -e . " in cmds["main"] + " " and "[test]" not in cmds["main"]
+    assert "pip install -e '.[test]'" in cmds["test"]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in (ROOT / "README.md").read_text()
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!; \[]", d)[0].lower() for d in deps}
+    assert not names & {"pytest", "hypothesis", "deepspeed", "trl", "peft", "kernels", "accelerate"}, names
+
+
+BLOCK_EXTRAS = """
+import importlib.abc, importlib.metadata, importlib.util, sys
+EXTRAS = {"pytest", "hypothesis", "deepspeed", "trl", "peft", "kernels", "accelerate", "liger_kernel", "matplotlib"}
+def blocked(name):
+    return str(name).split(".")[0].replace("-", "_").lower() in EXTRAS
+class Block(importlib.abc.MetaPathFinder):          # as if not installed: not importable, not found,
+    def find_spec(self, name, path=None, target=None):            # no distribution metadata
+        if blocked(name):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+_find, _version, _dist = importlib.util.find_spec, importlib.metadata.version, importlib.metadata.distribution
+importlib.util.find_spec = lambda name, package=None: None if blocked(name) else _find(name, package)
+def version(name):
+    if blocked(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    return _version(name)
+def distribution(name):
+    if blocked(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    return _dist(name)
+importlib.metadata.version, importlib.metadata.distribution = version, distribution
+import patchdsl.workload, patchdsl.runtime, patchdsl.codegen, patchdsl.plantext
+from patchdsl.cli import main
+main(["plan", "qwen3", "-m", "Qwen/Qwen3-0.6B"], prog_name="patchdsl")
+"""
+
+
+def test_plan_and_apply_need_none_of_the_extras():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    p = subprocess.run([sys.executable, "-c", BLOCK_EXTRAS], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0 and "site(s) to patch" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
