@@ -366,6 +366,7 @@ def test_bench_ops_exit_status_follows_the_kernel_results(correct, code, tmp_pat
     made = list((tmp_path / "bench-results").iterdir())
     assert len(made) == 1 and (made[0] / "ops.json").is_file() and not (tmp_path / "ops.json").exists()
     assert bench_cli.run(["summary", str(made[0] / "ops.json")]) == code
+    assert "says nothing about speed" in capsys.readouterr().out      # CPU times are labelled as such
 
 
 # ---------------------------------------------------------------- the README's two commands
