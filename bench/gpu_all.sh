@@ -208,13 +208,13 @@ for part in $PARTS; do
         lj=$(( lim - ($(now) - t0p) ))
         if [ "$lj" -ge 15 ]; then   # the distillation op (no chunked-loss script covers it): vs PyTorch and Liger's fused JSD
           run_part posttrain_jsd "$lj" python3 -m patchdsl.cli bench ops --ops linear_jsd --no-sweep \
-            --impls patchdsl,hf,liger --json "$WORK/ops_jsd.json" --no-png --budget $(( lj - 8 )) --target-ms 30
+            --impls patchdsl,hf,liger --json-out "$WORK/ops_jsd.json" --no-png --budget $(( lj - 8 )) --target-ms 30
         fi
       else
         fams=$(timeout 60 python3 -c "from patchdsl.bench.cases import families; print(','.join(n for n in families() if any(k in n for k in ('logprob', 'jsd', 'dpo', 'grpo', 'kl'))))" 2>>"$LOG")
         if [ -n "$fams" ]; then
           run_part posttrain "$lim" python3 -m patchdsl.cli bench ops --ops "$fams" --no-sweep --impls patchdsl,hf,liger \
-            --json "$WORK/ops_posttrain.json" --no-png --budget $(( lim - 12 )) --target-ms 30
+            --json-out "$WORK/ops_posttrain.json" --no-png --budget $(( lim - 12 )) --target-ms 30
         else
           say "posttrain: no bench/posttrain_bench.py and no post-training op family in bench/cases.py, skipped"
           status+=("posttrain: not present")
@@ -225,29 +225,29 @@ for part in $PARTS; do
       t0=$(now)
       l1=$(( lim * 65 / 100 ))
       run_part ops "$l1" python3 -m patchdsl.cli bench ops --ops geglu,rmsnorm --impls patchdsl,compile,liger --no-sweep \
-        --json "$WORK/ops.json" --no-png --budget $(( l1 - 10 )) --target-ms 50
+        --json-out "$WORK/ops.json" --no-png --budget $(( l1 - 10 )) --target-ms 50
       l2=$(( lim - ($(now) - t0) ))
       if [ "$l2" -ge 10 ]; then
         run_part ops_host "$l2" python3 -m patchdsl.cli bench ops --impls patchdsl --no-sweep --target-ms 20 \
           --ops "${HOST_OPS:-swiglu,rope,qk_norm_rope,add_rmsnorm,cross_entropy,linear_cross_entropy}" \
-          --json "$WORK/ops_host.json" --no-png --budget $(( l2 - 8 ))
+          --json-out "$WORK/ops_host.json" --no-png --budget $(( l2 - 8 ))
       fi
       ;;
     label_check)   # the label range check's cost (issue 22): linear CE with check_labels on and off, same run
       run_part label_check "$lim" python3 -m patchdsl.cli bench ops --no-sweep --no-png --impls patchdsl,liger \
         --ops linear_cross_entropy,linear_cross_entropy_nocheck,linear_cross_entropy_fused,linear_cross_entropy_fused_nocheck \
-        --json "$WORK/ops_label_check.json" --budget $(( lim - 10 ))
+        --json-out "$WORK/ops_label_check.json" --budget $(( lim - 10 ))
       ;;
     e2e_specs)   # which spec to ship: the add+norm fusion against the shipped spec, same run
       e2e e2e_specs "$lim" --model Qwen/Qwen3-0.6B --batch 16 --seq 2048 --steps "$STEPS" --warmup 2 \
         --variants "${SPECS_VARIANTS:-patchdsl}" --spec qwen3 --spec qwen3_addnorm --no-oom-retry
       ;;
     sweep)   # every op at the sweep shapes against its peers
-      run_part sweep "$lim" python3 -m patchdsl.cli bench ops --sweep-only --json "$WORK/ops_sweep.json" --no-png \
+      run_part sweep "$lim" python3 -m patchdsl.cli bench ops --sweep-only --json-out "$WORK/ops_sweep.json" --no-png \
         --budget $(( lim - 30 )) ${SWEEP_ARGS:-}
       ;;
     specialise)   # specialised kernel vs the generic (looped/masked) variant of each op
-      run_part specialise "$lim" python3 -m patchdsl.cli bench specialise --json "$WORK/specialise.json" \
+      run_part specialise "$lim" python3 -m patchdsl.cli bench specialise --json-out "$WORK/specialise.json" \
         --budget $(( lim - 25 )) ${SPEC_ARGS:-}
       ;;
     host_breakdown)   # where one forward's host time goes (bench/host_breakdown.py); with an older checkout

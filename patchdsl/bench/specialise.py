@@ -501,7 +501,8 @@ def table(doc: dict) -> str:
 def add_parser(sub) -> None:
     s = sub.add_parser("specialise", help="each specialised kernel vs the generic (looped/masked) form of the same op")
     s.add_argument("--out", help="output folder (default: $OUT, else a new bench-results/specialise-<time>/)")
-    s.add_argument("--json", help="output JSON (default: OUT/specialise.json)")
+    s.add_argument("--json-out", "--json", dest="json", metavar="F",
+                   help="write the results JSON here (default: OUT/specialise.json); --json is its old name")
     s.add_argument("--txt", help="also write the summary table here (default: next to the JSON, .txt)")
     s.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
