@@ -63,6 +63,15 @@ def _json_error(ctx, message: str, code: int, kind: str) -> None:
                               indent=2))
 
 
+def _fail(msg: str, code: int = EXIT_BAD_INPUT) -> None:
+    """Stop with ``msg`` on stderr and exit ``code`` (2: bad input); under --json also the error document."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        _json_error(ctx, msg, code, "input")
+    click.echo(msg, err=True)
+    sys.exit(code)
+
+
 class _Group(click.Group):
     def invoke(self, ctx):
         def fail(message: str, kind: str, code: int = EXIT_BAD_INPUT) -> None:
