@@ -492,7 +492,12 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
         doc = {"ok": report.passed, "exit_code": report.exit_code(), **report.to_json()}
         click.echo(json.dumps(doc, indent=2, default=str))
     else:
-        report.render_table(_console())
+        console = _console()
+        if console.is_terminal:
+            report.render_table(console)
+        else:                 # a file, a pipe, grep: a whole line per check, never wrapped
+            for line in report.plain_lines():
+                click.echo(line)
     sys.exit(report.exit_code())
 
 

@@ -426,3 +426,16 @@ def test_plan_and_apply_need_none_of_the_extras():
     p = subprocess.run([sys.executable, "-c", BLOCK_EXTRAS], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=300)
     assert p.returncode == 0 and "site(s) to patch" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+
+
+def test_verify_report_lines_are_whole_when_not_on_a_terminal():
+    from patchdsl.parity.report import Check, ParityReport
+
+    rep = ParityReport("fp32", "cpu", "interpreter", "Qwen3ForCausalLM", "s", 1, 4, 0, 0, 4.0, 1e-5)
+    path = "model.layers.13.post_attention_layernorm"
+    rep.sites.append({"path": path, "op": "fused_rmsnorm", "host": path})
+    rep.rows.append(Check("site", path, "fused_rmsnorm", "grad_weight", 1e-7, 1e-6, 2e-7, 1e-7, 4e-7, True))
+    rep.rows.append(Check("site", path, "fused_rmsnorm", "output", 1.0, 1.0, 0.5, 1e-7, 4e-7, False))
+    lines = rep.plain_lines()
+    assert [ln.split()[0] for ln in lines[2:4]] == ["ok", "FAIL"] and all(path in ln for ln in lines[2:4])
+    assert lines[-1].startswith("FAIL: 1 of 1 site(s) failed")
