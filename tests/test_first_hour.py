@@ -235,7 +235,8 @@ def test_check_accepts_class_names_near_kinds(name, tmp_path):
     assert run(["check", spec]).exit_code == 0
 
 
-def test_hub_trust_hint_names_the_spec_flag_and_the_fixed_spec_plans(tmp_path, monkeypatch):
+@pytest.mark.parametrize("why", ["could not verify publisher trust status.", "is not from a trusted publisher."])
+def test_hub_trust_hint_names_the_spec_flag_and_the_fixed_spec_plans(why, tmp_path, monkeypatch):
     kernels = pytest.importorskip("kernels")
     from patchdsl.ops import hub
     from tests.test_interop import norm_repo
@@ -244,9 +245,8 @@ def test_hub_trust_hint_names_the_spec_flag_and_the_fixed_spec_plans(tmp_path, m
 
     def get_kernel(repo_id, revision=None, version=None, trust_remote_code=False, **kw):
         if not trust_remote_code:
-            raise ValueError(f"Kernel repository '{repo_id}' could not verify publisher trust status. Set "
-                             "trust_remote_code=True or add the repository ID to the trust_remote_code allowlist to "
-                             "allow loading kernels from untrusted sources.")
+            raise ValueError(f"Kernel repository '{repo_id}' {why} Set trust_remote_code=True or add the repository "
+                             "ID to the trust_remote_code allowlist to allow loading kernels from untrusted sources.")
         return kernels.get_local_kernel(Path(repo))
 
     monkeypatch.setattr(kernels, "get_kernel", get_kernel)
@@ -256,7 +256,7 @@ def test_hub_trust_hint_names_the_spec_flag_and_the_fixed_spec_plans(tmp_path, m
     f = tmp_path / "h.kpatch"
     f.write_text(spec)
     r = run(["plan", f, "-m", Q])
-    assert r.exit_code == 2 and "Set trust_remote_code=True" not in r.stderr, r.output
+    assert r.exit_code == 2 and "Set trust_remote_code=True" not in r.stderr and why.rstrip(".") in r.stderr, r.output
     call = re.search(r"hub\(.*trust_remote_code=true\)", r.stderr).group(0)
     assert call == 'hub("some-org/norms", "TinyRMSNorm", version=1, trust_remote_code=true)'
     _plans(f"model.norm: RMSNorm -> {call}\n", tmp_path)
