@@ -139,3 +139,50 @@ def test_detector_finds_each_kind_of_circle(name, tmp_path):
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
     assert circles(import_graph(pkg)) == expected
+
+
+# The layers of docs/architecture.md ("Imports go one way"): what each part of patchdsl may import.
+# Small shared utilities (files, resources, _version, _interp, plantext) may be imported by any part.
+UTILITIES = {"files", "resources", "_version", "_interp", "plantext"}
+LAYERS = {
+    "cli": {"workload", "translate", "integrations", "bench", "parity", "runtime", "planner", "codegen", "models",
+            "check", "index", "select", "syntax", "ops"},
+    "bench": {"parity", "runtime", "planner", "codegen", "index", "models", "ops", "__init__"},
+    "integrations": {"parity", "runtime", "planner", "check", "index", "ops", "syntax"},
+    "parity": {"runtime", "planner", "codegen", "ops"},
+    "runtime": {"planner", "codegen", "index", "ops"},
+    "planner": {"select", "index", "check", "codegen", "ops", "syntax"},
+    "select": {"index", "ops", "syntax"},
+    "index": {"ops"},
+    "check": {"ops", "syntax"},
+    "codegen": {"ops"},
+    "translate": {"ops"},
+    "models": set(),
+    "ops": {"syntax"},
+    "syntax": set(),
+    "workload": {"runtime"},
+    "posttrain": {"runtime"},
+    "docgen": {"ops"},
+}
+
+
+def part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_imports_follow_the_layers_of_architecture_md():
+    edges = import_graph(ROOT / "patchdsl")
+    bad = []
+    for m, targets in edges.items():
+        a = part(m)
+        if a in ("__init__",) or a in UTILITIES:
+            continue
+        assert a in LAYERS, f"{a} is a new part of patchdsl: give it a line in LAYERS and in docs/architecture.md"
+        for t in targets:
+            b = part(t)
+            if b != a and b not in UTILITIES and b not in LAYERS[a]:
+                bad.append(f"{m} imports {t}")
+    assert not bad, "imports against the layers of docs/architecture.md:\n" + "\n".join(bad)
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert "tests/test_import_graph.py" in text
