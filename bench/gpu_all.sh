@@ -28,10 +28,11 @@
 # By name only (not in "all"): compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
 # (regional) vs patchdsl.compile_model (whole) vs plain torch.compile of the patched model, each in its own process;
 # COMPILE_VARIANTS picks rows, e.g. COMPILE_VARIANTS=compile T_COMPILE_PERF=300 T_VARIANT=280 for torch.compile alone),
-# label_check (90 s; linear CE with the label check on and off), sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
-# host_breakdown (80 s; bench/host_breakdown.py, plus --root .old and a comparison when .old/ is carried): bench ops
-# --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
-# part, patchdsl vs Liger per family), host time fast vs normal launch, bench/kern_sweep.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
+# label_check (90 s; linear CE with the label check on and off), sweep (300 s; bench ops
+# --sweep-only), specialise (120 s; bench specialise), host_breakdown (80 s; bench/host_breakdown.py, plus --root .old
+# and a comparison when .old/ is carried); SWEEP_ARGS / SPEC_ARGS add arguments.  The one-off investigations of the
+# first rounds (kernel variant sweeps, PTX registers, profiler tables, linear CE tiles, graph profiles, host probes)
+# are answered in bench/NOTES.md, their results committed under bench/results/; their scripts were removed.
 #
 # Limits: T_<PART> (upper case), e.g. T_TESTS=60.  Variants and specs: QWEN3_VARIANTS, SPECS_VARIANTS,
 # E2E_STEPS (10).  DRY=1 writes the commands into bench.log instead of running them.  Hook scripts (f) run as `python3 bench/X.py` with PART_OUT set to a folder whose files
@@ -56,7 +57,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="compile_perf label_check sweep specialise profile amdahl host_ab kern_sweep flce host_breakdown"     # not in "all": the first round's other parts, by name only
+EXTRA="compile_perf label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -138,12 +139,7 @@ for part in $PARTS; do
     e2e_specs) lim=$(limit e2e_specs 40) ;;
     sweep)   lim=$(limit sweep 300) ;;
     specialise) lim=$(limit specialise 120) ;;
-    profile) lim=$(limit profile 90) ;;
-    amdahl) lim=$(limit amdahl 200) ;;
-    host_ab) lim=$(limit host_ab 90) ;;
     host_breakdown) lim=$(limit host_breakdown 80) ;;
-    kern_sweep) lim=$(limit kern_sweep 90) ;;
-    flce) lim=$(limit flce 120) ;;
     label_check) lim=$(limit label_check 90) ;;
     compile_perf) lim=$(limit compile_perf 200) ;;
   esac
@@ -216,13 +212,13 @@ for part in $PARTS; do
         lj=$(( lim - ($(now) - t0p) ))
         if [ "$lj" -ge 15 ]; then   # the distillation op (no chunked-loss script covers it): vs PyTorch and Liger's fused JSD
           run_part posttrain_jsd "$lj" python3 -m patchdsl.cli bench ops --ops linear_jsd --no-sweep \
-            --impls patchdsl,hf,liger --json "$WORK/ops_jsd.json" --no-png --budget $(( lj - 8 )) --target-ms 30
+            --impls patchdsl,hf,liger --json-out "$WORK/ops_jsd.json" --no-png --budget $(( lj - 8 )) --target-ms 30
         fi
       else
         fams=$(timeout 60 python3 -c "from patchdsl.bench.cases import families; print(','.join(n for n in families() if any(k in n for k in ('logprob', 'jsd', 'dpo', 'grpo', 'kl'))))" 2>>"$LOG")
         if [ -n "$fams" ]; then
           run_part posttrain "$lim" python3 -m patchdsl.cli bench ops --ops "$fams" --no-sweep --impls patchdsl,hf,liger \
-            --json "$WORK/ops_posttrain.json" --no-png --budget $(( lim - 12 )) --target-ms 30
+            --json-out "$WORK/ops_posttrain.json" --no-png --budget $(( lim - 12 )) --target-ms 30
         else
           say "posttrain: no bench/posttrain_bench.py and no post-training op family in bench/cases.py, skipped"
           status+=("posttrain: not present")
@@ -233,12 +229,12 @@ for part in $PARTS; do
       t0=$(now)
       l1=$(( lim * 65 / 100 ))
       run_part ops "$l1" python3 -m patchdsl.cli bench ops --ops geglu,rmsnorm --impls patchdsl,compile,liger --no-sweep \
-        --json "$WORK/ops.json" --no-png --budget $(( l1 - 10 )) --target-ms 50
+        --json-out "$WORK/ops.json" --no-png --budget $(( l1 - 10 )) --target-ms 50
       l2=$(( lim - ($(now) - t0) ))
       if [ "$l2" -ge 10 ]; then
         run_part ops_host "$l2" python3 -m patchdsl.cli bench ops --impls patchdsl --no-sweep --target-ms 20 \
           --ops "${HOST_OPS:-swiglu,rope,qk_norm_rope,add_rmsnorm,cross_entropy,linear_cross_entropy}" \
-          --json "$WORK/ops_host.json" --no-png --budget $(( l2 - 8 ))
+          --json-out "$WORK/ops_host.json" --no-png --budget $(( l2 - 8 ))
       fi
       ;;
     compile_perf)   # issue 26 item 1: does compile pay? tokens/s, peak, warm-up, graph breaks, loss vs eager patchdsl
@@ -253,32 +249,19 @@ for part in $PARTS; do
     label_check)   # the label range check's cost (issue 22): linear CE with check_labels on and off, same run
       run_part label_check "$lim" python3 -m patchdsl.cli bench ops --no-sweep --no-png --impls patchdsl,liger \
         --ops linear_cross_entropy,linear_cross_entropy_nocheck,linear_cross_entropy_fused,linear_cross_entropy_fused_nocheck \
-        --json "$WORK/ops_label_check.json" --budget $(( lim - 10 ))
+        --json-out "$WORK/ops_label_check.json" --budget $(( lim - 10 ))
       ;;
     e2e_specs)   # which spec to ship: the add+norm fusion against the shipped spec, same run
       e2e e2e_specs "$lim" --model Qwen/Qwen3-0.6B --batch 16 --seq 2048 --steps "$STEPS" --warmup 2 \
         --variants "${SPECS_VARIANTS:-patchdsl}" --spec qwen3 --spec qwen3_addnorm --no-oom-retry
       ;;
     sweep)   # every op at the sweep shapes against its peers
-      run_part sweep "$lim" python3 -m patchdsl.cli bench ops --sweep-only --json "$WORK/ops_sweep.json" --no-png \
+      run_part sweep "$lim" python3 -m patchdsl.cli bench ops --sweep-only --json-out "$WORK/ops_sweep.json" --no-png \
         --budget $(( lim - 30 )) ${SWEEP_ARGS:-}
       ;;
     specialise)   # specialised kernel vs the generic (looped/masked) variant of each op
-      run_part specialise "$lim" python3 -m patchdsl.cli bench specialise --json "$WORK/specialise.json" \
+      run_part specialise "$lim" python3 -m patchdsl.cli bench specialise --json-out "$WORK/specialise.json" \
         --budget $(( lim - 25 )) ${SPEC_ARGS:-}
-      ;;
-    profile)   # torch.profiler kernel tables, into bench.log
-      run_part profile "$lim" python3 bench/profile_gpu.py ${PROF_ARGS:-}
-      ;;
-    host_ab)   # host time per forward, fast launch vs Triton's launcher (PATCHDSL_FAST_LAUNCH=0), patchdsl alone
-      ops="${HOST_OPS:-rmsnorm,geglu,swiglu,rope,qk_norm_rope,add_rmsnorm,linear_cross_entropy,linear_logprobs}"
-      for mode in 1 0; do
-        PATCHDSL_FAST_LAUNCH=$mode run_part "host_ab_fast$mode" $(( lim / 2 )) python3 -m patchdsl.cli bench ops \
-          --impls patchdsl --no-sweep --target-ms 20 --ops "$ops" --json "$WORK/host_fast$mode.json" --no-png \
-          --budget $(( lim / 2 - 8 ))
-      done
-      python3 bench/host_table.py "$WORK/host_fast1.json" "$WORK/host_fast0.json" >"$WORK/host_ab.txt" 2>>"$LOG"
-      cat "$WORK/host_ab.txt" | tee -a "$LOG" >>"$WORK/summary.parts"
       ;;
     host_breakdown)   # where one forward's host time goes (bench/host_breakdown.py); with an older checkout
                       # extracted under .old/ (git archive, carried), that version's host code first, then a comparison
@@ -290,28 +273,6 @@ for part in $PARTS; do
         [ -f "$WORK/host_breakdown_old.json" ] && python3 bench/host_breakdown.py --compare "$WORK/host_breakdown_old.json" \
           "$WORK/host_breakdown.json"; } >"$WORK/host_breakdown.txt" 2>>"$LOG"
       cat "$WORK/host_breakdown.txt" | tee -a "$LOG" >>"$WORK/summary.parts"
-      ;;
-    flce)   # the fully fused linear CE (mode=fused): tile sweep at both issue shapes (its output into bench.log and
-            # flce.txt), then bench ops of the fused family vs the chunked mode, torch.compile, Liger and CCE
-      t0f=$(now); lf=$(( lim * 60 / 100 ))
-      run_part flce_sweep "$lf" python3 bench/flce_sweep.py --budget $(( lf - 10 )) ${FLCE_ARGS:-}
-      sed -n '/flce_sweep (limit/,$p' "$LOG" | grep -v "^== " >"$WORK/flce.txt" 2>/dev/null
-      lb=$(( lim - ($(now) - t0f) ))
-      if [ "$lb" -ge 15 ]; then
-        run_part flce_ops "$lb" python3 -m patchdsl.cli bench ops --ops linear_cross_entropy_fused --no-sweep \
-          --json "$WORK/ops_flce.json" --no-png --budget $(( lb - 8 )) --target-ms 60
-      fi
-      ;;
-    kern_sweep)   # RMSNorm / GLU kernel variants (bench/kern_sweep.py)
-      mkdir -p "$WORK/kern"
-      run_part kern_sweep "$lim" python3 bench/kern_sweep.py --budget-s $(( lim - 15 )) --out "$WORK/kern" ${KERN_ARGS:-}
-      [ -f "$WORK/kern/kern_sweep.txt" ] && cat "$WORK/kern/kern_sweep.txt" >>"$WORK/summary.parts"
-      ;;
-    amdahl)    # GPU time of one step by part, patchdsl vs Liger, per family: the bound on patchdsl/Liger
-      mkdir -p "$WORK/amdahl"
-      run_part amdahl "$lim" python3 bench/profile_gpu.py --what amdahl --out "$WORK/amdahl" \
-        --worker-timeout $(( lim / 6 > 20 ? lim / 6 : 20 )) ${AMDAHL_ARGS:-}
-      cat "$WORK"/amdahl/amdahl_*.txt >>"$WORK/summary.parts" 2>/dev/null
       ;;
   esac
   pack

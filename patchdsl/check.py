@@ -102,14 +102,27 @@ def _typed_flags(op: Op, flags: tuple[Flag, ...], errors: list[SpecError],
     return out
 
 
+def kind_typo(name: str) -> str | None:
+    """The kind ``name`` is a typo of, when no class is likely to be called so: the kind in other
+    case (``rmsnorm``), with two letters swapped or shuffled (``RMSNrom``), or with one letter
+    dropped (``RMSNor``).  Without a model ``check`` cannot see class names, so only these."""
+    for k in KIND_NAMES:
+        if name.lower() == k.lower() or (len(name) == len(k) and sorted(name.lower()) == sorted(k.lower())):
+            return k
+        if len(name) == len(k) - 1 and len(name) >= 4 and any(k[:i] + k[i + 1:] == name for i in range(len(k))):
+            return k
+    return None
+
+
 def _check_kinds(rule: Rule, op: Op) -> None:
     alts = rule.class_pattern.alternatives
     kinds = [a for a in alts if a in KIND_NAMES]
     for a in alts:
         if a not in KIND_NAMES and not is_glob(a):
-            close = did_you_mean(a, KIND_NAMES)
-            if close and a.lower() in {k.lower() for k in KIND_NAMES}:
-                raise SpecError(f"unknown kind '{a}'", rule.class_pattern.span, hint=close)
+            typo = kind_typo(a)
+            if typo:
+                raise SpecError(f"unknown kind '{a}'", rule.class_pattern.span,
+                                hint=f"did you mean '{typo}'? (a class name is written as the model spells it)")
     bad = [k for k in kinds if k not in op.kinds]
     if bad and not op.any_kind:
         raise SpecError(

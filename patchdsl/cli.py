@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -40,23 +41,59 @@ def _console(stderr: bool = False):
     return c
 
 
-def _fail(msg: str) -> None:
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it: never mistaken for verify's "failed"
+
+
+def _json_wanted(ctx) -> bool:
+    """--json was given to the command being run (parsed, or still in its raw arguments when the
+    options themselves were bad)."""
+    sub = ctx.meta.get("patchdsl.json")
+    if sub is not None:
+        return bool(sub)
+    raw = getattr(ctx, "_protected_args", None)
+    if raw is None:
+        raw = getattr(ctx, "protected_args", None) or []
+    return "--json" in list(raw) + list(ctx.args or [])
+
+
+def _json_error(ctx, message: str, code: int, kind: str) -> None:
+    """With --json, the error as a JSON document on stdout (the message goes to stderr as always)."""
+    if _json_wanted(ctx):
+        click.echo(json.dumps({"ok": False, "exit_code": code, "error": {"kind": kind, "message": message}},
+                              indent=2))
+
+
+def _fail(msg: str, code: int = EXIT_BAD_INPUT) -> None:
+    """Stop with ``msg`` on stderr and exit ``code`` (2: bad input); under --json also the error document."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        _json_error(ctx, msg, code, "input")
     click.echo(msg, err=True)
-    sys.exit(EXIT_BAD_INPUT)
+    sys.exit(code)
 
 
 class _Group(click.Group):
     def invoke(self, ctx):
+        def fail(message: str, kind: str, code: int = EXIT_BAD_INPUT) -> None:
+            _json_error(ctx, message, code, kind)
+            click.echo(message, err=True)
+            sys.exit(code)
+
         try:
             return super().invoke(ctx)
         except SpecError as e:
-            _fail(e.render())
+            fail(e.render(), "spec")
         except UsageFailure as e:
-            _fail(f"error: {e}")
+            fail(f"error: {e}", "input")
         except FileNotFoundError as e:
-            _fail(f"error: {e}")
+            fail(f"error: {e}", "input")
         except FileReadError as e:           # an untrusted file that cannot be read (patchdsl.files)
-            _fail(f"error: {e}")
+            fail(f"error: {e}", "input")
+        except click.UsageError as e:        # a bad option: click's message, exit 2 (and the JSON document)
+            _json_error(ctx, e.format_message(), EXIT_BAD_INPUT, "usage")
+            raise
+        except (KeyboardInterrupt, click.Abort):
+            fail("interrupted", "interrupted", EXIT_INTERRUPTED)
         except Exception as e:
             # bad data that is not a spec error: a plan file, an unusable kernel cache, a value
             # that cannot go into generated code, a model the plan does not fit
@@ -65,7 +102,7 @@ class _Group(click.Group):
             from .runtime import PatchError
 
             if isinstance(e, (CacheError, CodegenError, PlanError, PatchError)):
-                _fail(f"error: {e}")
+                fail(f"error: {e}", "input")
             raise
 
 
@@ -75,8 +112,10 @@ def main() -> None:
     """Declarative fused Triton kernels for Hugging Face transformers models.
 
     SPEC, wherever a command takes one, is a path to a .kpatch file or the name of a shipped spec
-    (qwen3, llama, mistral, qwen2, gemma3, phi3).  Exit status: 0 success, 1 a verification failed,
-    2 bad input (spec, model, options).
+    (qwen3, llama, mistral, qwen2, gemma3, phi3).  --json, wherever a command takes it, prints one
+    JSON document on stdout (on an error too: {"ok": false, "exit_code": 2, "error": ...}).
+    Exit status: 0 success, 1 a verification failed, 2 bad input (spec, model, options),
+    130 interrupted (Ctrl-C).
     """
 
 
@@ -88,7 +127,10 @@ def _read_spec(path: str):
 
     ctx = click.get_current_context(silent=True)
     dirs = ctx.meta.get("patchdsl.include_dirs", ()) if ctx is not None else ()
-    return check_loaded(lambda: read_spec(path, include_dirs=dirs)).spec
+    checked = check_loaded(lambda: read_spec(path, include_dirs=dirs))
+    if ctx is not None:
+        ctx.meta["patchdsl.checked"] = checked       # its rules, for the plan's one-line-per-rule view
+    return checked.spec
 
 
 def include_dir_option(f):
@@ -100,6 +142,25 @@ def include_dir_option(f):
                         type=click.Path(file_okay=False, exists=True),
                         help="A folder that `include` may read besides the spec's own folder and the "
                              "shipped specs (repeatable).")(f)
+
+
+def json_option(f):
+    """``--json``, the same for every command: one JSON document on stdout, an error document on
+    failure (see :class:`_Group`); human-readable output then goes to stderr or is left out."""
+    def store(ctx, _param, value):
+        ctx.meta["patchdsl.json"] = bool(value)
+        return bool(value)
+
+    return click.option("--json", "as_json", is_flag=True, callback=store, is_eager=True,
+                        help="Print one JSON document on stdout (an error document on failure).")(f)
+
+
+DTYPES = click.Choice(["fp32", "bf16", "fp16"])
+
+
+def _default_dtype(device: str) -> str:
+    """The model dtype when --dtype is not given, the same for apply and verify: bf16 on a GPU, fp32 on the CPU."""
+    return "bf16" if device.startswith("cuda") else "fp32"
 
 
 def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str = "cpu", log=None, tiny=False,
@@ -116,7 +177,7 @@ def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str
 # ---------------------------------------------------------------- check
 @main.command()
 @click.argument("spec")
-@click.option("--json", "as_json", is_flag=True, help="Print the checked rules as JSON.")
+@json_option
 @include_dir_option
 def check(spec: str, as_json: bool) -> None:
     """Check a spec's syntax, ops, flags and kinds (no model needed)."""
@@ -142,65 +203,36 @@ def _plan(spec: str, model: str, dtype: str | None, target: str | None, tiny: bo
     return make_plan(sp, loaded.model, target=target, dtypes=dts), loaded
 
 
-def _fmt_flags(site) -> str:
-    parts = []
-    for k, v in site.flags:
-        src = dict(site.flag_sources).get(k, "")
-        if src == "op default":
-            continue
-        v = "true" if v is True else "false" if v is False else v
-        parts.append(f"{k}={v}")
-    return ", ".join(parts)
+def print_plan(p, console=None, *, sites: bool = False, err: bool = False) -> None:
+    """The plan as plain fixed-column lines (patchdsl.plantext): one per rule, or with ``sites`` one
+    per site; refusals in yellow on a terminal.  ``console`` is accepted for old callers and unused."""
+    from . import plantext
 
-
-def print_plan(p, console=None) -> None:
-    from rich.table import Table
-
-    console = console or _console()
-    t = Table(title=f"patch plan: {p.spec} on {p.model_class} ({p.target}; {', '.join(p.dtypes)})")
-    for col in ("path", "class", "op", "flags", "rule", "matched by"):
-        t.add_column(col, overflow="fold")
-    for s in p.sites:
-        op = f"{s.op}\n  from {s.source}" if s.source and s.op != "hub" else (s.source if s.source else s.op)
-        if s.refused:
-            op += " [yellow](refused)[/yellow]"
-        flags = _fmt_flags(s) if s.op != "hub" else ""    # hub's flags are its source, shown in the op column
-        t.add_row(s.path or "<model>", s.cls, op, flags, ", ".join(s.rules), s.matched_by)
-        for c in s.covers:
-            t.add_row(f"  {c}", p.infos[c].cls if c in p.infos else "", f"(fused into {s.op})", "", s.rule, "covered")
-    console.print(t)
-    for name, patched, present in p.totals:
-        console.print(f"{patched}/{present} {name} patched")
-    for u in p.unmatched_optional:
-        console.print(f"optional rule matched nothing: {u}")
-    shown: dict[tuple[str, str, str], list[str]] = {}
-    for s in p.refused_sites:
-        shown.setdefault((s.rule, s.op, s.refused), []).append(s.path or "<model>")
-    for (rule, op, reason), paths in shown.items():
-        where = paths[0] if len(paths) == 1 else f"{len(paths)} sites ({paths[0]}, ...)"
-        console.print(f"[yellow]{rule}: refused {op} on {where}: {reason}[/yellow]", markup=True)
-    if p.attention is not None:
-        console.print(f"attention implementation: {p.attention.impl} (this model instance only; {p.attention.span})")
-    ext = p.external_sites()
-    n_ok = sum(1 for s in p.sites if not s.refused)
-    console.print(f"{n_ok} site(s) to patch, {len(p.sites) - n_ok} refused, {len(p.kernel_keys())} kernel(s) to generate"
-                  + (f", {len(ext)} site(s) with external kernels" if ext else ""))
+    ctx = click.get_current_context(silent=True)
+    checked = ctx.meta.get("patchdsl.checked") if ctx is not None else None
+    rules = plantext.rule_texts(checked.rules) if checked is not None and checked.spec.path == p.spec else None
+    lines = plantext.site_lines(p) if sites else plantext.short_lines(p, rules)
+    refusals = set(plantext.refusal_lines(p))
+    for line in lines:
+        click.echo(click.style(line, fg="yellow") if line in refusals else line, err=err)
 
 
 @main.command()
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Override the spec's dtype directive.")
+@click.option("--dtype", type=DTYPES, help="Override the spec's dtype directive.")
 @click.option("--target", type=click.Choice(["cuda", "interpreter"]), help="Kernel target (default: detected).")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--sites", is_flag=True, help="A line per site (path, class, op, flags, rule) instead of a line per rule.")
+@json_option
 @include_dir_option
-def plan(spec: str, model: str, dtype: str | None, target: str | None, as_json: bool) -> None:
-    """Resolve SPEC against a model's module tree and print what would be patched."""
+def plan(spec: str, model: str, dtype: str | None, target: str | None, sites: bool, as_json: bool) -> None:
+    """Resolve SPEC against a model's module tree and print what would be patched: a line per rule
+    (sites patched, refused, present), the refusals, the totals; --sites for a line per site."""
     p, _ = _plan(spec, model, dtype, target)
     if as_json:
         click.echo(p.dumps())
     else:
-        print_plan(p)
+        print_plan(p, sites=sites)
 
 
 # ---------------------------------------------------------------- codegen
@@ -208,11 +240,12 @@ def plan(spec: str, model: str, dtype: str | None, target: str | None, as_json: 
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the generated kernels.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Override the spec's dtype directive.")
+@click.option("--dtype", type=DTYPES, help="Override the spec's dtype directive.")
 @click.option("--target", type=click.Choice(["cuda", "interpreter"]),
               help="Kernel target (default: cuda with a GPU, else the Triton interpreter).")
+@json_option
 @include_dir_option
-def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | None) -> None:
+def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | None, as_json: bool) -> None:
     """Write every kernel the plan needs into OUT, for reading."""
     from .codegen.cache import write_kernel
 
@@ -221,9 +254,16 @@ def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | No
         Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageFailure(f"cannot create '{out}': {e.strerror or e}") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    written = []
     for key in p.kernel_keys():
         path = write_kernel(key, Path(out), flat=True)
-        click.echo(f"wrote {path}")
+        os.chmod(path, 0o666 & ~umask)      # a file for reading, as any file the user writes (0644 under umask 022)
+        written.append(str(path))
+        click.echo(f"wrote {path}", err=as_json)
+    if as_json:
+        click.echo(json.dumps({"ok": True, "exit_code": EXIT_OK, "out": out, "files": written}, indent=2))
 
 
 # ---------------------------------------------------------------- apply
@@ -266,30 +306,41 @@ SEED = click.IntRange(0, 2 ** 63 - 1)
 @click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Measured training steps (default: 3 on CPU, 20 on GPU).")
 @click.option("--batch", type=click.IntRange(1, MAX_BATCH), help="Batch size (default: 1 on CPU, 16 on GPU).")
 @click.option("--seq", type=click.IntRange(2, MAX_SEQ), help="Sequence length (default: 16 on CPU, 2048 on GPU).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Model dtype (default: bf16 on GPU, fp32 on CPU).")
+@click.option("--dtype", type=DTYPES, help="Model dtype (default: bf16 on GPU, fp32 on CPU, as verify).")
 @click.option("--device", help="cpu or cuda[:N] (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
 @click.option("--lr", type=click.FloatRange(0, 10, min_open=True), default=1e-4, show_default=True, callback=_finite,
               help="AdamW learning rate of both runs.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the weights and the batches.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the numbers to this JSON file.")
+@json_option
+@click.option("--json-out", "json_out", type=click.Path(dir_okay=False),
+              help="Also write the JSON document to this file.")
 @include_dir_option
-def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_out) -> None:
-    """Patch a model and train it twice (unpatched, patched) side by side."""
+def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json, json_out) -> None:
+    """Patch a model and train it twice (unpatched, patched) side by side.
+
+    Prints the plan (a line per rule), the loss of every measured step of both runs and, on a GPU,
+    tokens/s, step time and peak memory.  On the CPU the kernels run in Triton's interpreter, so
+    no speed is reported there: compare losses on the CPU, speed on a GPU.
+    """
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from .planner import plan as make_plan
+    from . import plantext
+    from .planner import count_totals, plan as make_plan
     from .workload import Workload, compare_runs
 
-    console = _console()
+    console = _console(stderr=as_json)        # with --json, stdout carries the document only
+
+    def say(line: str = "") -> None:
+        click.echo(line, err=as_json)
+
     if json_out and files.exists(json_out) and not files.is_file(json_out):
-        raise UsageFailure(f"--json {files.show(json_out)}: not a regular file (a FIFO or a device would block or "
-                           f"swallow the results)")
+        raise UsageFailure(f"--json-out {files.show(json_out)}: not a regular file (a FIFO or a device would block "
+                           f"or swallow the results)")
     device = _device(device)
     on_gpu = device.startswith("cuda")
-    dtype = dtype or ("bf16" if on_gpu else "fp32")
+    dtype = dtype or _default_dtype(device)
     tiny = (not on_gpu) if tiny is None else tiny
     d = Workload.default(device)
     w = Workload(steps or d.steps, batch or d.batch, seq or d.seq, lr, seed, d.warmup)
@@ -297,11 +348,11 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
     torch.manual_seed(seed)
     loaded = _load_model(model, meta=False, dtype=dtype, device=device, tiny=tiny, seed=seed)
     if tiny:
-        console.print(f"[dim]CPU workload: tiny {loaded.model.config.model_type} architecture "
-                      f"(hidden {loaded.model.config.hidden_size}, {loaded.model.config.num_hidden_layers} layers); "
-                      f"pass --full for the real sizes[/dim]")
+        say(f"CPU workload: tiny {loaded.model.config.model_type} architecture "
+            f"(hidden {loaded.model.config.hidden_size}, {loaded.model.config.num_hidden_layers} layers); "
+            f"pass --full for the real sizes")
     p = make_plan(sp, loaded.model, dtypes=(dtype,))
-    print_plan(p, console)
+    print_plan(p, err=as_json)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as prog:
         kt = prog.add_task("generating kernels", total=len(p.kernel_keys()))
@@ -312,63 +363,89 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
             prog.advance(kt)
 
         def bar(label, total):
-            t = prog.add_task(f"training {label}", total=total)
-            return lambda n: prog.advance(t, n)
+            # the bar counts the measured steps, as the table does; the warm-up steps before them
+            # show as "(warm-up)" in the description and are not counted
+            warm = total - w.steps
+            t = prog.add_task(f"training {label} (warm-up)" if warm > 0 else f"training {label}", total=w.steps)
+            seen = [0]
+
+            def advance(n):
+                before = seen[0]
+                seen[0] += n
+                counted = measured_steps(before, seen[0], warm)
+                if before < warm <= seen[0]:
+                    prog.update(t, description=f"training {label}")
+                if counted:
+                    prog.advance(t, counted)
+            return advance
 
         ref, pat, handle = compare_runs(loaded.model, p, w, bar)
     for r in handle.refused:
-        console.print(f"[yellow]{r}[/yellow]")
-    t = Table(title=f"{w.steps} steps, batch {w.batch} x {w.seq}, {dtype}, {device}")
-    t.add_column("step", justify="right")
-    t.add_column("loss unpatched", justify="right")
-    t.add_column("loss patched", justify="right")
-    t.add_column("diff", justify="right")
-    for i, (a, b) in enumerate(zip(ref.losses, pat.losses)):
-        t.add_row(str(i + 1), f"{a:.5f}", f"{b:.5f}", f"{b - a:+.2e}")
-    console.print(t)
-    s = Table(show_header=True)
-    s.add_column("")
-    s.add_column("unpatched", justify="right")
-    s.add_column("patched", justify="right")
-    s.add_column("ratio", justify="right")
-    s.add_row("tokens/s", f"{ref.tokens_per_s:,.0f}", f"{pat.tokens_per_s:,.0f}",
-              f"{pat.tokens_per_s / ref.tokens_per_s:.2f}x" if ref.tokens_per_s else "-")
-    s.add_row("step time", f"{ref.step_ms:.1f} ms", f"{pat.step_ms:.1f} ms", "")
-    if ref.peak_mem_bytes is not None:
+        say(click.style(str(r), fg="yellow"))
+    say(f"{w.steps} steps, batch {w.batch} x {w.seq}, {dtype}, {device}")
+    rows = [[str(i + 1), f"{a:.5f}", f"{b:.5f}", f"{b - a:+.2e}"] for i, (a, b) in enumerate(zip(ref.losses, pat.losses))]
+    for line in plantext.columns(["step", "loss unpatched", "loss patched", "diff"], rows, right=(0, 1, 2, 3)):
+        say(line)
+    if on_gpu:
         gib = 2 ** 30
-        s.add_row("peak memory", f"{ref.peak_mem_bytes / gib:.2f} GiB", f"{pat.peak_mem_bytes / gib:.2f} GiB",
-                  f"{pat.peak_mem_bytes / ref.peak_mem_bytes:.2f}x")
+        speed = [["tokens/s", f"{ref.tokens_per_s:,.0f}", f"{pat.tokens_per_s:,.0f}",
+                  f"{pat.tokens_per_s / ref.tokens_per_s:.2f}x" if ref.tokens_per_s else "-"],
+                 ["step time", f"{ref.step_ms:.1f} ms", f"{pat.step_ms:.1f} ms",
+                  f"{pat.step_ms / ref.step_ms:.2f}x" if ref.step_ms else "-"]]
+        if ref.peak_mem_bytes is not None and pat.peak_mem_bytes is not None:
+            speed.append(["peak memory", f"{ref.peak_mem_bytes / gib:.2f} GiB", f"{pat.peak_mem_bytes / gib:.2f} GiB",
+                          f"{pat.peak_mem_bytes / ref.peak_mem_bytes:.2f}x" if ref.peak_mem_bytes else "-"])
+        for line in plantext.columns(["", "unpatched", "patched", "ratio"], speed, right=(1, 2, 3)):
+            say(line)
     else:
-        s.add_row("peak memory", "n/a on CPU", "n/a on CPU", "")
-    console.print(s)
-    if not on_gpu:
-        console.print("[dim]On the CPU the kernels run in Triton's interpreter, so the patched run is slower: "
-                      "compare losses here, speed on a GPU.[/dim]")
-    from .planner import count_totals
-
+        say("speed: not reported on the CPU (the patched kernels run in Triton's interpreter, so tokens/s and "
+            "step times say nothing about them); compare losses here, speed on a GPU")
     live = [s if s.path in handle.patched else replace(s, refused=s.refused or "refused at apply") for s in p.sites]
     present = {n: pr for n, _, pr in p.totals}
     totals = count_totals(live, present)
-    console.print(f"patched {len(handle.patched)} site(s), refused {len(handle.refused)}; "
-                  + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in totals))
+    fused = sum(len(s.covers) for s in live if not s.refused)
+    say(f"patched {len(handle.patched)} site(s)" + (f" (+{fused} module(s) fused into them)" if fused else "")
+        + f", refused {len(handle.refused)}; " + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in totals))
+    doc = {"ok": not handle.refused_required, "exit_code": EXIT_BAD_INPUT if handle.refused_required else EXIT_OK,
+           "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny,
+           "workload": {"steps": w.steps, "warmup": w.warmup, "batch": w.batch, "seq": w.seq, "lr": w.lr, "seed": w.seed},
+           "speed_measured": on_gpu,      # on the CPU tokens/s and step times are interpreter times: left out
+           "unpatched": _run_json(ref, on_gpu), "patched": _run_json(pat, on_gpu),
+           "patched_sites": len(handle.patched), "fused_modules": fused, "refused": [str(r) for r in handle.refused],
+           "totals": [{"name": n, "patched": a, "present": b} for n, a, b in totals]}
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
     if json_out:
-        Path(json_out).write_text(json.dumps({
-            "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny,
-            "workload": {"steps": w.steps, "batch": w.batch, "seq": w.seq, "lr": w.lr, "seed": w.seed},
-            "unpatched": ref.to_json(), "patched": pat.to_json(),
-            "patched_sites": len(handle.patched), "refused": [str(r) for r in handle.refused],
-            "totals": [{"name": n, "patched": a, "present": b} for n, a, b in totals]}, indent=2))
+        try:
+            Path(json_out).write_text(json.dumps(doc, indent=2))
+        except OSError as e:
+            raise UsageFailure(f"cannot write --json-out {files.show(json_out)}: {e.strerror or e}") from None
     handle.undo()
     if handle.refused_required:
         sys.exit(EXIT_BAD_INPUT)
+
+
+def measured_steps(before: int, after: int, warmup: int) -> int:
+    """How many of the steps ``before+1 .. after`` (counted from 1) are measured, the first
+    ``warmup`` steps being warm-up: what apply's progress bar advances by."""
+    return max(0, after - warmup) - max(0, before - warmup)
+
+
+def _run_json(r, speed: bool) -> dict:
+    d = r.to_json()
+    if not speed:
+        for k in ("tokens_per_s", "step_ms", "peak_mem_bytes"):
+            d.pop(k, None)
+    return d
 
 
 # ---------------------------------------------------------------- verify
 @main.command()
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
-              help="Dtype of the model under test (the reference runs in float64).")
+@click.option("--dtype", type=DTYPES,
+              help="Dtype of the model under test (default: bf16 on GPU, fp32 on CPU, as apply); the reference "
+                   "runs in float64.")
 @click.option("--batch", type=click.IntRange(1, MAX_BATCH), default=2, show_default=True,
               help="Batch size of the verification inputs.")
 @click.option("--seq", type=click.IntRange(2, MAX_SEQ), default=16, show_default=True,
@@ -376,9 +453,9 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
 @click.option("--steps", type=click.IntRange(0, MAX_STEPS), default=0, show_default=True,
               help="Also compare N optimizer steps.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the weights and inputs.")
-@click.option("--device", help="cpu or cuda (default: cuda when available).")
+@click.option("--device", help="cpu or cuda[:N] (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@json_option
 @click.option("--progress", is_flag=True, help="Say on stderr what runs, with elapsed seconds.")
 @include_dir_option
 def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, progress) -> None:
@@ -386,17 +463,22 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
     from .parity import verify as run_verify
 
     device = _device(device)
+    dtype = dtype or _default_dtype(device)
     tiny = (not device.startswith("cuda")) if tiny is None else tiny
     sp = _read_spec(spec)
+    told = []
 
     def factory():
         import torch
 
         torch.manual_seed(seed)
+        # the first build says what verify runs on (random weights, seed); the others are the same model
+        log = None if told else (lambda m: click.echo(m, err=True))
+        told.append(True)
         return _load_model(model, meta=False, dtype="fp32", device="cpu", tiny=tiny, seed=seed,
-                           log=lambda m: None).model
+                           log=log or (lambda m: None)).model
 
-    _load_model(model, meta=True, tiny=tiny)   # validate the model id early (exit 2) and say where it came from
+    _load_model(model, meta=True, tiny=tiny, log=lambda m: None)   # the model id checked early (exit 2), quietly
     t0 = time.perf_counter()
 
     def say(m: str) -> None:
@@ -407,9 +489,15 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
     if progress:
         say("done")
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2, default=str))
+        doc = {"ok": report.passed, "exit_code": report.exit_code(), **report.to_json()}
+        click.echo(json.dumps(doc, indent=2, default=str))
     else:
-        report.render_table(_console())
+        console = _console()
+        if console.is_terminal:
+            report.render_table(console)
+        else:                 # a file, a pipe, grep: a whole line per check, never wrapped
+            for line in report.plain_lines():
+                click.echo(line)
     sys.exit(report.exit_code())
 
 
@@ -424,8 +512,15 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
 @click.option("--model", "-m", help="Hub id, local folder, or path to config.json (the spec is written for it).")
 @click.option("--device", default="cuda", show_default=True,
               help="With --kernel-mapping: which entry of per-device mapping values to take.")
-def translate(liger: str | None, kernel_mapping: str | None, model: str | None, device: str) -> None:
+@json_option
+def translate(liger: str | None, kernel_mapping: str | None, model: str | None, device: str, as_json: bool) -> None:
     """Print the spec equivalent to another tool's kernel settings (--liger or --kernel-mapping) for --model."""
+    def emit(text: str) -> None:
+        if as_json:
+            click.echo(json.dumps({"ok": True, "exit_code": EXIT_OK, "spec": text}, indent=2))
+        else:
+            click.echo(text, nl=False)
+
     if (liger is None) == (kernel_mapping is None):
         raise UsageFailure("say what to translate: --liger JSON|@FILE or --kernel-mapping FILE.json")
     if model is None:
@@ -440,7 +535,7 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
                                else f"cannot read the kernel mapping: {e}") from None
         loaded = _load_model(model, meta=True)
         try:
-            click.echo(run_translate(mapping, loaded.model, device=device, source=kernel_mapping), nl=False)
+            emit(run_translate(mapping, loaded.model, device=device, source=kernel_mapping))
         except MappingError as e:
             raise UsageFailure(f"{kernel_mapping}: {e}") from None
         return
@@ -451,10 +546,9 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
     loaded = _load_model(model, meta=True, log=lambda m: None)
     t = translate_liger(cfg, build_index(loaded.model), use_liger_kernel=use)
     if t.problems:
-        for pr in t.problems:
-            click.echo(f"error: {pr}", err=True)
-        _fail("hint: turn those keys off (false) in the Liger config; patchdsl does not drop them silently")
-    click.echo(t.text, nl=False)
+        raise UsageFailure("\nerror: ".join(t.problems) + "\nhint: turn those keys off (false) in the Liger config, "
+                           "or follow the 'use ...' above; patchdsl does not drop them silently")
+    emit(t.text)
 
 
 # ---------------------------------------------------------------- bench

@@ -32,7 +32,7 @@ def test_top_level_help_lists_every_command():
 
 @pytest.mark.parametrize("args,must", [
     (["bench", "--help"], ["ops", "e2e", "specialise", "summary", "plot"]),
-    (["bench", "ops", "--help"], ["usage: patchdsl bench ops", "--impls", "--json"]),
+    (["bench", "ops", "--help"], ["usage: patchdsl bench ops", "--impls", "--json-out"]),
     (["bench", "e2e", "--help"], ["usage: patchdsl bench e2e", "--variants"]),
 ])
 def test_bench_help(args, must, capsys):

@@ -196,7 +196,7 @@ def test_plan_shows_what_apply_will_refuse():
     r = CliRunner().invoke(main, ["plan", "specs/qwen3.kpatch", "--model", "meta-llama/Llama-3.2-1B"])
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
-    assert "0/16 self_attn patched" in text
+    assert "modules patched: " in text and "0/16 self_attn" in text
     assert "refused fused_qk_norm_rope on 16 sites" in text and "no q_norm/k_norm" in text
     assert "50 site(s) to patch, 16 refused" in text
 

@@ -254,7 +254,7 @@ def test_from_liger_misfit_stops_training_when_strict(tmp_path):
                                    callbacks=[patchdsl.PatchdslCallback.from_args(args)])
     with pytest.raises(LigerConfigError) as ei:
         trainer.train()
-    assert "model.layers.1.mlp (Gemma3MLP) is a GeGLU MLP" in str(ei.value)
+    assert "2 modules (model.layers.0.mlp, ...) (Gemma3MLP) are GeGLU MLPs" in str(ei.value)   # one line, not one per layer
 
 
 def test_patch_for_training_in_a_plain_loop():

@@ -1,15 +1,15 @@
 """patchdsl bench: per-op and end-to-end GPU benchmarks against HF eager, torch.compile, Liger-Kernel and CCE.
 
-    patchdsl bench ops  [--out DIR] [--json F] [--ops rmsnorm,swiglu] [--impls patchdsl,hf,...] [--no-sweep] [--budget S]
+    patchdsl bench ops  [--out DIR] [--json-out F] [--ops rmsnorm,swiglu] [--impls patchdsl,hf,...] [--no-sweep] [--budget S]
     patchdsl bench e2e  [--model ID] [--spec S]... [--batch 16[,4]] [--variants hf,compile,liger,patchdsl,patchdsl+compile,patchdsl+graphs]
                         [--out DIR] [--name e2e] [--budget S]   # a fresh process per variant
     patchdsl bench summary FILE.json [FILE.json]   # print the tables (and the performance targets) again
     patchdsl bench plot FILE.json [FILE.json] --png F
-    patchdsl bench specialise [--out DIR] [--json F] [--ops rmsnorm,rope] [--eager] [--budget S]   # specialised vs generic
+    patchdsl bench specialise [--out DIR] [--json-out F] [--ops rmsnorm,rope] [--eager] [--budget S]   # specialised vs generic
 
 Results go into --out (ops: ops.json, ops.png; e2e: NAME.json, NAME.txt, NAME.png), else $OUT when
 it is set, else a new folder bench-results/<command>-<UTC time>/ under the current directory; the
-folder is printed. --json overrides the JSON's path.
+folder is printed. --json-out F (old name --json) overrides the JSON's path, as apply's --json-out writes a file.
 
 On a machine without a GPU the default is a tiny CPU run through the Triton interpreter: it checks
 every kernel's result against float64, but its times mean nothing, so no timing target is judged.
@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("ops", help="per-op benchmarks against HF eager, torch.compile, Liger, CCE")
     o.add_argument("--out", help="output folder (default: $OUT, else a new bench-results/ops-<time>/)")
-    o.add_argument("--json", help="output JSON (default: OUT/ops.json)")
+    o.add_argument("--json-out", "--json", dest="json", metavar="F",
+                   help="write the results JSON here (default: OUT/ops.json); --json is its old name")
     o.add_argument("--png", help="also write a plot here (default: next to the JSON, ops.png)")
     o.add_argument("--no-png", action="store_true")
     o.add_argument("--device", help="cuda or cpu (default: cuda when available)")
@@ -102,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "--out (else $OUT, else a new bench-results/e2e-<time>/).")
     e.add_argument("--out", help="output folder (default: $OUT, else a new bench-results/e2e-<time>/)")
     e.add_argument("--name", default="e2e", help="file stem of the outputs (default e2e)")
-    e.add_argument("--json", help="JSON path (overrides --out/--name for the JSON)")
+    e.add_argument("--json-out", "--json", dest="json", metavar="F",
+                   help="write the results JSON here (overrides --out/--name for the JSON); --json is its old name")
     e.add_argument("--png")
     e.add_argument("--no-png", action="store_true")
     e.add_argument("--device")

@@ -72,6 +72,14 @@ def _err(r: dict) -> str:
     return s if r.get("correct") else s + " BAD"
 
 
+CPU_NOTE = ("(CPU: the kernels ran in Triton's interpreter, so every time, tokens/s and ratio below says nothing "
+            "about speed; only the correctness columns count here)")
+
+
+def _on_cpu(env: dict) -> bool:
+    return str(env.get("device", "")).startswith("cpu") and not env.get("gpu")
+
+
 def ops_summary(doc: dict) -> str:
     """The issue's shapes: every implementation, one row each."""
     env, ceil = doc.get("env", {}), doc.get("ceilings", {})
@@ -82,6 +90,8 @@ def ops_summary(doc: dict) -> str:
            f"triton {env.get('triton')}, transformers {env.get('transformers')}, liger {env.get('liger_kernel')}, "
            f"cce {env.get('cut_cross_entropy')}; {env.get('date', '')}"
            + ("" if doc.get("complete") else "  [INCOMPLETE: run stopped early]")]
+    if _on_cpu(env):
+        out.append(CPU_NOTE)
     results = doc.get("results", [])
     by = {(r["op"], r["label"], r["impl"]): r for r in results}
     from .cases import families
@@ -273,6 +283,8 @@ def e2e_summary(doc: dict) -> str:
             f"{o.get('dtype')}, {o.get('steps')} steps after {o.get('warmup')} warm-up, "
             f"{env.get('gpu', env.get('device'))}; {doc.get('isolation', '')}"
             + ("" if doc.get("complete") else "  [INCOMPLETE]"))
+    if _on_cpu(env):
+        head += "\n" + CPU_NOTE
     if doc.get("error"):
         return head + "\n" + doc["error"]
     vs = doc.get("variants", [])

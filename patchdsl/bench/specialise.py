@@ -108,7 +108,7 @@ TUNE: dict[str, tuple[Variant, ...]] = {
         Variant(f"chunk_{c}", lambda p, c=c: {"chunk": c}, f"{c} tokens per chunk") for c in (512, 1024, 2048)
     ) + (Variant("chunk_1024_pps1", lambda p: {"chunk": 1024, "programs_per_sm": 1},
                  "1024 tokens per chunk, persistent row kernel 1/SM"),),
-    # fused linear CE: a few tiles for both kernels (bench/flce_sweep.py times every tile, the two
+    # fused linear CE: a few tiles for both kernels (the tile sweep of bench/NOTES.md timed every tile, the two
     # kernels separately, and picks the best pair)
     "linear_cross_entropy_fused": tuple(
         Variant(f"tile_{t}", lambda p, t=t: {"tile": t, "grad_tile": t}, f"both kernels in tiles {t}")
@@ -501,7 +501,8 @@ def table(doc: dict) -> str:
 def add_parser(sub) -> None:
     s = sub.add_parser("specialise", help="each specialised kernel vs the generic (looped/masked) form of the same op")
     s.add_argument("--out", help="output folder (default: $OUT, else a new bench-results/specialise-<time>/)")
-    s.add_argument("--json", help="output JSON (default: OUT/specialise.json)")
+    s.add_argument("--json-out", "--json", dest="json", metavar="F",
+                   help="write the results JSON here (default: OUT/specialise.json); --json is its old name")
     s.add_argument("--txt", help="also write the summary table here (default: next to the JSON, .txt)")
     s.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])

@@ -80,7 +80,7 @@ def check_liger_config(config: Any, where: str = "liger_kernel_config") -> dict[
             raise LigerConfigError(f"unknown {where} key '{k}' (Liger would drop it silently)",
                                    hint=(dym + " " if dym else "") + f"allowed keys: {', '.join(LIGER_KEYS)}")
         if not isinstance(v, bool):
-            raise LigerConfigError(f"{where} key '{k}' must be true or false, got {v!r}")
+            raise LigerConfigError(f"{where} key '{k}' must be true or false, got {_shown(v)}")
         out[str(k)] = v
     return out
 
@@ -107,18 +107,31 @@ def parse_liger_argument(text: str) -> tuple[bool, dict[str, bool] | None]:
         value = _json(text, src)
     if value is True:
         return True, None
+    if value is False or value is None:
+        raise LigerConfigError(f"{src} {json.dumps(value)} turns Liger off: there is nothing to translate",
+                               hint="give the Liger keys to translate, e.g. --liger '{\"rope\": true, \"rms_norm\": true}', "
+                                    "or --liger true for Liger's defaults")
     if isinstance(value, Mapping) and ("use_liger_kernel" in value or "liger_kernel_config" in value):
         use = value.get("use_liger_kernel", False)
         if not isinstance(use, bool):
-            raise LigerConfigError(f"{src}: use_liger_kernel must be true or false, got {use!r}")
+            raise LigerConfigError(f"{src}: use_liger_kernel must be true or false, got {_shown(use)}")
         cfg = value.get("liger_kernel_config")
         if isinstance(cfg, str):          # TrainingArguments accepts a JSON string here too
             cfg = _json(cfg, f"{src}: liger_kernel_config")
         return use, check_liger_config(cfg) if cfg is not None else None
     if isinstance(value, Mapping):
         return True, check_liger_config(value)
-    raise LigerConfigError(f"{src} must be a JSON object of Liger keys (or true for Liger's defaults), got {value!r}",
+    raise LigerConfigError(f"{src} must be a JSON object of Liger keys (or true for Liger's defaults), got {_shown(value)}",
                            hint=f"e.g. --liger '{{\"rope\": true, \"rms_norm\": true}}'; keys: {', '.join(LIGER_KEYS)}")
+
+
+def _shown(v: Any) -> str:
+    """A value as the user wrote it (JSON: false, null, "yes"), not as Python prints it."""
+    try:
+        s = json.dumps(v)
+    except (TypeError, ValueError):
+        s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def _json(text: str, src: str) -> Any:
@@ -264,10 +277,13 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
             rules.append((key, f"{', '.join(_selectors(pool, pool))}: {kind} -> {op}"))
             continue
         others = by_kind.get(other_kind, [])
+        folded: dict[tuple[str, Any], list[str]] = {}      # one line per class and activation, not per layer
         for p in others:
-            f = index.infos[p].kinds[other_kind]
-            problems.append(f"{key}: {p} ({index.infos[p].cls}) is a {other_kind} MLP "
-                            f"(activation {f.get('activation')}), not {kind}: use {other_key}")
+            folded.setdefault((index.infos[p].cls, index.infos[p].kinds[other_kind].get("activation")), []).append(p)
+        for (mcls, act), paths in folded.items():
+            where = paths[0] if len(paths) == 1 else f"{len(paths)} modules ({paths[0]}, ...)"
+            problems.append(f"{key}: {where} ({mcls}) {'is a' if len(paths) == 1 else 'are'} {other_kind} MLP"
+                            f"{'' if len(paths) == 1 else 's'} (activation {act}), not {kind}: use {other_key}")
         if not others:
             problems.append(f"{key}: {cls} has no gated MLP (gate/up/down projections) that patchdsl recognises")
     # the loss

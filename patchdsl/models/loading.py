@@ -279,7 +279,8 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     scaling type, tied embeddings, softcapping, the mix of sliding and full attention layers (a
     sliding window of 8 so that short sequences exercise it), MLP/hidden ratio. Sizes become
     hidden 64-160, head_dim 16 or 32, ``layers`` layers (more when the layer pattern has more kinds)
-    and a ``vocab`` vocabulary; special token ids beyond it are moved inside it.
+    and a ``vocab`` vocabulary; special token ids beyond it are moved inside it.  A config already
+    smaller keeps its own layer count and vocabulary (tiny never grows a user's model).
     """
     d = config.to_dict()
     H0 = int(d["num_attention_heads"])
@@ -323,7 +324,7 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     # layers: keep one of each layer kind (sliding/full/...), in order of first appearance
     types = d.get("layer_types")
     idx = sorted(types.index(t) for t in dict.fromkeys(types)) if isinstance(types, list) and len(types) == L0 else []
-    n = max(layers, len(idx), 1)
+    n = max(min(layers, L0), len(idx), 1)
     nxt = 0
     while len(idx) < n:
         if nxt not in idx:
@@ -361,6 +362,7 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
         fix_rope(d.get(k))
 
     # vocabulary and the special ids in it
+    vocab = min(vocab, int(d.get("vocab_size") or vocab))
     d["vocab_size"] = vocab
     big = sorted({i for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                   for i in (d.get(k) if isinstance(d.get(k), list) else [d.get(k)])
@@ -382,6 +384,10 @@ def _describe_tiny(cfg) -> str:
     return (f"tiny {cfg.model_type} (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
             f"{cfg.num_attention_heads}/{getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} heads, "
             f"vocab {cfg.vocab_size})")
+
+
+def _describe_sizes(cfg) -> str:
+    return f"hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}"
 
 
 # ---------------------------------------------------------------- loading
@@ -449,7 +455,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         cfg = config_from_dict(cfg_dict)
         cfg._name_or_path = spec_s
         if tiny:
-            cfg = tiny_config(cfg)
+            full, cfg = cfg, tiny_config(cfg)
         try:
             model = _build(cfg, dtype=dtype, device=device, meta=meta, tiny=tiny, seed=seed,
                            attn_implementation=attn_implementation)
@@ -457,7 +463,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
             raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {_one_line(e)}") \
                 from None
         if tiny:
-            what = f"{_describe_tiny(cfg)} from {where}"
+            what = f"{_describe_tiny(cfg)}, shrunk from {_describe_sizes(full)} in {where}"
             msg = (f"{spec_s}: {what} on the meta device (no weights)" if meta
                    else f"{spec_s}: {what} with random weights (seed {seed})")
         elif meta:

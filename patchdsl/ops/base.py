@@ -31,6 +31,9 @@ SIZE_MAX = 2 ** 31 - 1         # a size or count: what plan files and config.jso
 CHUNK_MAX = 1 << 24            # tokens per chunk of the chunked LM-head ops
 TEACHER_HIDDEN_MAX = 1 << 20   # the teacher's hidden size (verify allocates batch x seq x this in float64)
 PROGRAMS_PER_SM_MAX = 64
+# verify's floor for relative errors near zero, per dtype (patchdsl.parity.compare's rule; an op's
+# parity_floor adds its own on top, e.g. fp8_linear's recipe bound)
+DTYPE_FLOORS = {"fp32": 1e-5, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 
 class FlagTypeError(ValueError):

@@ -82,3 +82,35 @@ def signature_binder(sig: Any) -> Callable[..., dict]:
         return out
 
     return bind
+
+
+# Module structure (PEFT wrappers), used by the kind recognisers and the loss path
+def _torch():
+    import torch
+    return torch
+
+
+def linear_like(m: Any) -> Any | None:
+    """The nn.Linear holding the weight of ``m`` (``m`` itself, or a PEFT layer's base_layer)."""
+    torch = _torch()
+    seen = 0
+    while m is not None and seen < 4:
+        if isinstance(m, torch.nn.Linear):
+            return m
+        m = getattr(m, "base_layer", None)
+        seen += 1
+    return None
+
+
+def unwrap(m: Any) -> Any:
+    """Unwrap PEFT's ModulesToSaveWrapper-style wrappers to the module doing the work."""
+    for attr in ("original_module",):
+        inner = getattr(m, attr, None)
+        if inner is not None and hasattr(m, "modules_to_save"):
+            active = getattr(m, "active_adapters", None) or getattr(m, "active_adapter", None)
+            if isinstance(active, (list, tuple)):
+                active = active[0] if active else None
+            if active is not None and active in m.modules_to_save:
+                return m.modules_to_save[active]
+            return inner
+    return m

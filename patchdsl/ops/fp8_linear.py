@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import DTYPE_FLOORS, FlagSpec, ModuleInfo, Op
 from .registry import register
 
 # Unit roundoff (half the spacing at 1) of the fp8 formats: e4m3 has 3 mantissa bits, e5m2 has 2.
@@ -44,14 +44,12 @@ def tolerance_floor(recipe: str, dtype: str) -> float:
     so the relative Frobenius error measured is ~0.3-0.4 of that (e4m3 x e4m3: ~0.05); the factor 2
     leaves room for cancellation in sum_k a_k b_k.  A wrong scale, a dropped dequantisation or a
     transposed operand is off by O(1).  e4m3 x e4m3: 0.254 + floor; e5m2 x e4m3: 0.383 + floor."""
-    from ..parity.compare import FLOORS
-
     fmts = RECIPES[recipe]
     worst = 0.0
     for a, b in ((fmts[0], fmts[1]), (fmts[2], fmts[1]), (fmts[2], fmts[0])):
         ua, ub = UNIT_ROUNDOFF[a], UNIT_ROUNDOFF[b]
         worst = max(worst, ua + ub + ua * ub)
-    return 2.0 * worst + FLOORS.get(dtype, 0.0)
+    return 2.0 * worst + DTYPE_FLOORS.get(dtype, 0.0)
 
 
 def fp8_unavailable(target: str, emulate: bool) -> str | None:

@@ -133,6 +133,20 @@ def _kernel_module(params: Mapping[str, Any]) -> tuple[Any, str, str]:
     return mod, f"{repo}@{commit}" if commit else repo, ""
 
 
+def hub_call(params: Mapping[str, Any], **change: Any) -> str:
+    """The spec's ``hub(...)`` call for ``params`` (with ``change`` applied), as a user writes it."""
+    p = {**params, **change}
+    parts = [f'"{p["repo"]}"', f'"{p["layer"]}"']
+    for k in ("version", "revision"):
+        if p.get(k) is not None:
+            parts.append(f"{k}={p[k]}" if isinstance(p[k], int) else f'{k}="{p[k]}"')
+    if p.get("trust_remote_code"):
+        parts.append("trust_remote_code=true")
+    if p.get("sha256"):
+        parts.append(f'sha256="{p["sha256"]}"')
+    return f"hub({', '.join(parts)})"
+
+
 def check_pin(params: Mapping[str, Any]) -> str:
     """The digest of a local repository's files now; PinMismatch when ``params`` pin other files."""
     digest = repo_digest(Path(params["repo"]))
@@ -296,6 +310,10 @@ class HubLayer(Op):
             return str(e)
         except Exception as e:      # the kernels library's own words, plus where to put the files
             said = " ".join(str(e).split())
+            if "trust_remote_code" in said and not params["local"] and not params["trust_remote_code"]:
+                said = said.split(" Set trust_remote_code", 1)[0].rstrip(". ")
+                return (f"cannot load {params['repo']}:{params['layer']} ({said}); after reading the repository's "
+                        f"code, say in the spec that you trust it: {hub_call(params, trust_remote_code=True)}")
             if params["local"]:
                 return (f"cannot load layer {params['layer']!r} from the local repository {params['repo']} ({said}); "
                         f"lay it out as <repo>/build/torch-universal/metadata.json and "

@@ -12,40 +12,26 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Mapping
 
-from .registry import kind
+from .common import _torch, linear_like, unwrap  # noqa: F401  (linear_like, unwrap: where the op modules look for them)
+
+# The kind registry: recognisers by kind name, filled by @kind below (ops.registry reads it; this module
+# imports nothing from the registry, so the two do not import each other).
+KINDS: dict[str, Any] = {}
+KIND_DOCS: dict[str, str] = {}
+
+
+def kind(name: str, doc: str = ""):
+    """Register a structural-kind recogniser: ``fn(module) -> facts dict | None``."""
+
+    def deco(fn):
+        KINDS[name] = fn
+        KIND_DOCS[name] = doc or (fn.__doc__ or "").strip().splitlines()[0]
+        return fn
+
+    return deco
+
 
 _EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "rms_norm_eps")
-
-
-def _torch():
-    import torch
-    return torch
-
-
-def linear_like(m: Any) -> Any | None:
-    """The nn.Linear holding the weight of ``m`` (``m`` itself, or a PEFT layer's base_layer)."""
-    torch = _torch()
-    seen = 0
-    while m is not None and seen < 4:
-        if isinstance(m, torch.nn.Linear):
-            return m
-        m = getattr(m, "base_layer", None)
-        seen += 1
-    return None
-
-
-def unwrap(m: Any) -> Any:
-    """Unwrap PEFT's ModulesToSaveWrapper-style wrappers to the module doing the work."""
-    for attr in ("original_module",):
-        inner = getattr(m, attr, None)
-        if inner is not None and hasattr(m, "modules_to_save"):
-            active = getattr(m, "active_adapters", None) or getattr(m, "active_adapter", None)
-            if isinstance(active, (list, tuple)):
-                active = active[0] if active else None
-            if active is not None and active in m.modules_to_save:
-                return m.modules_to_save[active]
-            return inner
-    return m
 
 
 def _eps(m: Any) -> float | None:

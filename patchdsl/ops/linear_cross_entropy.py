@@ -56,7 +56,7 @@ CHUNK_FLAGS = (
 # ---- fused mode ------------------------------------------------------------------------------
 # Tile choices of the two fused kernels (the forward statistics and the backward band): BLOCK_M
 # tokens x BLOCK_N vocab entries per program, BLOCK_K hidden per step, warps, pipeline stages.
-# `bench/flce_sweep.py` times every one of them on the GPU; auto picks the DEFAULT_TILE of the dtype.
+# the tile sweep of bench/NOTES.md (script removed; results in bench/results/) timed every one of them on the GPU; auto picks the DEFAULT_TILE of the dtype.
 FUSED_TILES = {
     "m128n256k64w8s3": (128, 256, 64, 8, 3),
     "m128n256k64w8s4": (128, 256, 64, 8, 4),
@@ -80,14 +80,14 @@ FUSED_FLAGS = (
              "never reach memory (softmax statistics in the matmul's tiles, 4 matmuls, <= 64 MiB extra); "
              "auto = chunked (faster at the Qwen3 head when 594 MiB are available)",
              choices=("chunked", "fused"), auto_ok=True),
-    # str, not choice: a tile is a launch choice for the sweep (bench/flce_sweep.py), not a mode
+    # str, not choice: a tile is a launch choice for the tile sweep (bench/NOTES.md), not a mode
     # every compile test should build; `validate` names the known tiles
     FlagSpec("tile", "str", "auto", "fused mode: tile of the forward statistics kernel, one of FUSED_TILES "
              "(m<BLOCK_M>n<BLOCK_N>k<BLOCK_K>w<warps>s<stages>, e.g. m128n256k64w8s3); auto = by dtype",
              auto_ok=True),
     FlagSpec("grad_tile", "str", "auto", "fused mode: tile of the backward band kernel (as tile)", auto_ok=True),
     FlagSpec("flatten", "bool", False, "fused mode: the forward kernel's vocab and hidden loops as one "
-             "pipelined loop (tl.range(flatten=True)); measured by bench/flce_sweep.py"),
+             "pipelined loop (tl.range(flatten=True)); measured by the tile sweep (bench/NOTES.md)"),
     FlagSpec("band", "int", "auto", "fused mode: vocab columns per backward band (rounded to the tile); "
              "auto = the most that keep the backward's extra memory within 64 MiB at the call's token count", auto_ok=True, min=1,
              max=SIZE_MAX),

@@ -51,7 +51,7 @@ from typing import Any, Callable, Mapping
 
 from .base import ModuleInfo
 from .common import signature_binder
-from .kinds import linear_like, unwrap
+from .common import linear_like, unwrap
 
 # What the patched forward may see the original forward read from ``self`` / ``self.config``.
 # The scalars a causal LM's forward may scale by between its decoder body and its loss (as source

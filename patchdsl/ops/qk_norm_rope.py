@@ -42,7 +42,7 @@ BWD_PROGRAMS_PER_SM = 16
 # tile (4 warps; 8 warps: 0.395 ms); the backward alone in 4-head tiles: 0.222 ms (fwd+bwd).
 CUDA_BWD_BLOCK = 256
 
-# Kernel shapes that ``bench/kern_sweep.py --ops qk_norm_rope`` times against each other (template
+# Kernel shapes that the kernel sweep of bench/NOTES.md timed against each other (template
 # parameters, not user flags; the defaults are the shipped kernels):
 #   fwd_layout  per_token: a program per tokens_per_program token(s), each token's heads in tiles of
 #               ``block`` elements; block: a program per ``fwd_tokens`` tokens, one 3-D tile of
@@ -58,7 +58,7 @@ QK_TUNING = {"fwd_layout": "per_token", "fwd_tokens": 1, "bwd_layout": "per_toke
 
 # The CUDA backward (H200 sweep, bench/results/h200-2026-12-03-r3run4/qk, 32768 tokens, d128, bf16):
 # the block layout, one token x all heads per step, 4 warps, as many programs per SM as fit by
-# registers (bench/ptx_regs.py): 16 q / 8 kv heads 193.0 us (3 per SM) vs 308.7 shipped before;
+# registers (ptxas -v, bench/NOTES.md): 16 q / 8 kv heads 193.0 us (3 per SM) vs 308.7 shipped before;
 # 32 / 8 heads 332.7 us (2 per SM) vs 467.9.  A tile of more than 32 heads of 128 would spill: those
 # (and the interpreter) keep the per-token layout.
 CUDA_BWD_BLOCK_LAYOUT = {"bwd_layout": "block", "bwd_tokens": 1}

@@ -1,7 +1,8 @@
 """The one op registry and the one kind registry.
 
 Adding an op = one template in ``templates/``, one module in ``patchdsl/ops/`` that calls
-:func:`register`, and its tests.  Adding a structural kind = one :func:`kind` recogniser.
+:func:`register`, and its tests.  Adding a structural kind = one ``@kind`` recogniser in
+``ops/kinds.py`` (which holds the kind table; this module reads it).
 """
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Mapping
 
+from . import kinds as _kinds
 from .base import Op
+from .kinds import kind  # noqa: F401  (re-exported: patchdsl.ops.kind)
 
 _OPS: dict[str, Op] = {}
-_KINDS: dict[str, Callable[[Any], Mapping[str, Any] | None]] = {}
-_KIND_DOCS: dict[str, str] = {}
 
 # Op modules, imported on first registry access.  Order is the documentation order.
 OP_MODULES = (
@@ -33,23 +34,11 @@ def register(op: Op) -> Op:
     return op
 
 
-def kind(name: str, doc: str = "") -> Callable:
-    """Register a structural-kind recogniser: ``fn(module) -> facts dict | None``."""
-
-    def deco(fn):
-        _KINDS[name] = fn
-        _KIND_DOCS[name] = doc or (fn.__doc__ or "").strip().splitlines()[0]
-        return fn
-
-    return deco
-
-
 def _load() -> None:
     global _loaded
     if _loaded:
         return
     _loaded = True
-    importlib.import_module("patchdsl.ops.kinds")
     for m in OP_MODULES:
         importlib.import_module(f"patchdsl.ops.{m}")
 
@@ -72,12 +61,12 @@ def get_op(name: str) -> Op | None:
 
 def kinds() -> dict[str, Callable]:
     _load()
-    return dict(_KINDS)
+    return dict(_kinds.KINDS)
 
 
 def kind_docs() -> dict[str, str]:
     _load()
-    return dict(_KIND_DOCS)
+    return dict(_kinds.KIND_DOCS)
 
 
 def is_kind_name(text: str) -> bool:

@@ -42,7 +42,7 @@ def partial_sum_launch(hidden: int, target: str) -> dict[str, int]:
     return {"SUM_BLOCK_C": max(16, min(256, hidden_p2 // 64)), "SUM_BLOCK_P": 64}
 
 
-# Launch/scheme choices of fused_rmsnorm's one-pass kernels that ``bench/kern_sweep.py`` times against
+# Launch/scheme choices of fused_rmsnorm's one-pass kernels that the kernel sweep of bench/NOTES.md timed against
 # each other (template parameters, not user flags; the defaults are the measured best so far):
 #   dw_reduce     kernel: per-program fp32 partial dW rows + a second kernel adding them (deterministic);
 #                 atomic: fp32 atomics into one row, the last program (atomic ticket) casts it (one launch;

@@ -56,7 +56,7 @@ def glu_config(inter: int, target: str, block: Any = "auto") -> dict[str, Any]:
             **GLU_TUNING}
 
 
-# Kernel choices ``bench/kern_sweep.py`` times against each other (template parameters, not user
+# Kernel choices the kernel sweep of bench/NOTES.md timed against each other (template parameters, not user
 # flags; the defaults are the measured best so far):
 #   glu_layout  rows: a program per row (tile) of the intermediate size, as above;
 #               flat: separate gate/up only -- the row-contiguous tensors as one flat array,

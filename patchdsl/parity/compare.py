@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 FACTOR = 4.0
-FLOORS = {"fp32": 1e-5, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+from ..ops.base import DTYPE_FLOORS as FLOORS
+
 REL_GUARD = 1e-3          # max_rel_err denominator: |ref| + REL_GUARD * max|ref|
 _CHUNK = 1 << 24          # elements per chunk when reducing big tensors in float64
 

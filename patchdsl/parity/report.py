@@ -41,7 +41,7 @@ def _num(v: Any) -> Any:
 
 def _fmt(v: float) -> str:
     if isinstance(v, float) and math.isnan(v):
-        return "nan"
+        return "-"          # not measured (the row's note says why), never a computed NaN
     if isinstance(v, float) and math.isinf(v):
         return "inf"
     return f"{v:.2e}"
@@ -158,6 +158,24 @@ class ParityReport:
             t.add_row(mark, r.kind, r.path or "<model>", r.op, q, _fmt(r.rel_fro_err), _fmt(r.reference_err),
                       _fmt(r.tolerance), _fmt(r.max_abs_err), _fmt(r.max_rel_err))
         return t
+
+    def plain_lines(self) -> list[str]:
+        """The table as plain fixed-column lines (one per check, never wrapped), then the verdict:
+        what the CLI prints when its output is not a terminal (a file, a pipe, grep)."""
+        from ..plantext import columns
+
+        rows = [["ok" if r.passed else "FAIL", r.kind, r.path or "<model>", r.op,
+                 r.quantity + (f" ({r.note})" if r.note else ""), _fmt(r.rel_fro_err), _fmt(r.reference_err),
+                 _fmt(r.tolerance), _fmt(r.max_abs_err), _fmt(r.max_rel_err)] for r in self.rows]
+        out = [f"patchdsl verify: {self.spec} on {self.model_class} ({self.dtype}, {self.device}, "
+               f"batch {self.batch} x seq {self.seq})"]
+        out += columns(["", "kind", "path", "op", "quantity", "rel err", "HF err", "bound", "max abs", "max rel"],
+                       rows, right=(5, 6, 7, 8, 9))
+        if self.attention:
+            out.append(f"patched model ran with attention implementation {self.attention}")
+        out += [f"refused: {r}" for r in self.refused]
+        out.append(self.verdict)
+        return out
 
     def render_table(self, console: Any = None) -> None:
         """Print the table, then the one-line verdict, to ``console`` (a rich Console; default stdout)."""

@@ -27,6 +27,16 @@ from .report import Check, ParityReport
 TORCH_DTYPES = ("fp32", "bf16", "fp16")
 
 
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float": "fp32", "half": "fp16"}
+
+
+def _dtype_name(dtype: Any) -> Any:
+    """"bf16", "bfloat16", "torch.bfloat16" or torch.bfloat16 -> "bf16" (other values unchanged)."""
+    s = str(dtype)
+    s = s[len("torch."):] if s.startswith("torch.") else s
+    return _DTYPE_ALIASES.get(s, s)
+
+
 def _torch_dtype(name: str):
     import torch
 
@@ -142,7 +152,7 @@ def _models(model_or_factory: Any) -> tuple[Any, Any, Any]:
     return ref, hf, patched
 
 
-def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int = 2, seq: int = 16,
+def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int = 2, seq: int = 16,
            steps: int = 0, seed: int = 0, device: Any = None, target: str | None = None, lr: float = 1e-3,
            factor: float | None = None, floor: float | None = None, worst: int = 5,
            log: Callable[[str], None] | None = None) -> ParityReport:
@@ -162,8 +172,10 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int 
     from ..planner import PatchPlan, plan as make_plan
     from ..runtime import apply
 
+    dtype = _dtype_name(dtype)
     if dtype not in TORCH_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)} (or torch.float32, torch.bfloat16, "
+                         f"torch.float16), got {dtype!r}")
     if batch < 1 or seq < 2 or steps < 0:
         raise ValueError("need batch >= 1, seq >= 2 and steps >= 0")
     say = log or (lambda m: None)

@@ -7,8 +7,10 @@ Nothing process-wide is touched: no class, no name in a transformers modeling mo
 in ``torch.nn.functional``.  Parameters are never copied or replaced, so ``state_dict()``,
 optimizers built before patching, and checkpoints are unaffected.
 
-``graph_step(model, optimizer, example_batch)`` (:mod:`.graphs`) captures a whole training step
-of a (patched) model as one CUDA graph; it changes no module, only the parameters' ``.grad``.
+``graph_step(model, optimizer, example_batch)`` (:mod:`.graphs`: the step, its capture and replay;
+:mod:`.graph_checks`: what may be captured, decided before; :mod:`.graph_capture`: transformers'
+decisions made as in an eager step) captures a whole training step of a (patched) model as one
+CUDA graph; it changes no module, only the parameters' ``.grad``.
 """
 
 from .graphs import GraphedStep, GraphStepError, UnpatchedModelWarning, graph_step

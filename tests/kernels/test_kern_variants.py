@@ -1,4 +1,4 @@
-"""The kernel variants ``bench/kern_sweep.py`` times (issue 15 item 4): every template parameter it
+"""The kernel variants the first rounds' kernel sweep timed (issue 15 item 4; results in bench/NOTES.md): every template parameter it
 sets is checked here against float64, on the interpreter at tiny shapes (and on the GPU at real
 ones), so a variant the sweep picks as the winner is already known to compute the right thing.
 
