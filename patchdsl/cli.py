@@ -378,32 +378,51 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the weights and inputs.")
 @click.option("--device", help="cpu or cuda (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
+@click.option("--layers", type=click.IntRange(1, 100_000),
+              help="Keep only the first N decoder layers: a quick check of a large model at its real widths "
+                   "(the report says so).")
+@click.option("--reference", type=click.Choice(["auto", "whole", "streamed"]), default="auto", show_default=True,
+              help="The float64 reference: a copy of the whole model, or streamed one decoder layer at a time "
+                   "(for models whose float64 copy does not fit); auto picks by a memory estimate.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--progress", is_flag=True, help="Say on stderr what runs, with elapsed seconds.")
 @include_dir_option
-def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, progress) -> None:
+def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, reference, as_json, progress) -> None:
     """Prove gradient parity of the patched model against a float64 reference."""
     from .parity import verify as run_verify
+    from .parity.stream import VerifyError, build_dtype
 
     device = _device(device)
     tiny = (not device.startswith("cuda")) if tiny is None else tiny
     sp = _read_spec(spec)
+    # validate the model id early (exit 2) and say where it came from
+    meta = _load_model(model, meta=True, tiny=tiny).model
+    # on a GPU the model is built there (in fp32 when the whole float64 model fits beside it, else in the
+    # run dtype: the reference then evaluates exactly the weights under test); on the CPU in fp32
+    try:
+        build_dt, build_dev = (("fp32", "cpu") if tiny or not device.startswith("cuda") else
+                               (build_dtype(meta, dtype, batch, seq, steps, device, reference, layers), device))
+    except VerifyError as e:
+        raise UsageFailure(str(e)) from None
+    del meta
 
     def factory():
         import torch
 
         torch.manual_seed(seed)
-        return _load_model(model, meta=False, dtype="fp32", device="cpu", tiny=tiny, seed=seed,
+        return _load_model(model, meta=False, dtype=build_dt, device=build_dev, tiny=tiny, seed=seed,
                            log=lambda m: None).model
 
-    _load_model(model, meta=True, tiny=tiny)   # validate the model id early (exit 2) and say where it came from
     t0 = time.perf_counter()
 
     def say(m: str) -> None:
         click.echo(f"[verify {time.perf_counter() - t0:7.1f}s] {m}", err=True)
 
-    report = run_verify(sp, factory, dtype=dtype, batch=batch, seq=seq, steps=steps, seed=seed, device=device,
-                        log=say if progress else None)
+    try:
+        report = run_verify(sp, factory, dtype=dtype, batch=batch, seq=seq, steps=steps, seed=seed, device=device,
+                            layers=layers, reference=reference, log=say if progress else None)
+    except VerifyError as e:           # out of memory, or a reference that cannot run as asked
+        raise UsageFailure(str(e)) from None
     if progress:
         say("done")
     if as_json:

@@ -298,8 +298,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     p0 = next(base.parameters(), None)
     base_dt = p0.dtype if p0 is not None else dt
     est = estimate(base, dt.itemsize, batch, seq, device,
-                   base_bytes=(sum(q.numel() for q in base.parameters()) * base_dt.itemsize
-                               if p0 is not None and p0.device == device else None))
+                   base_on_device=p0 is not None and p0.device.type == device.type)
     mode, why = choose(reference, est, steps, decoder_layers(base) is not None)
     say(f"float64 reference: {mode} ({why})")
     tally = Float64Tally()
@@ -368,12 +367,13 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
             del r_grads
         else:
             # ---- the runs under test first (their gradients are kept), then the float64 one streamed
+            # (on a GPU their gradients wait on the host: an 8B model's two bf16 gradient sets are 32 GB)
             stage(f"unpatched {dtype}: forward + backward")
             h_loss, h_logits, h_grads = _forward_backward(hf, {**b0, **cast_to(extra, dt, device)})
+            h_grads = _park(hf, h_grads, device)
             stage(f"patched {dtype}: forward + backward")
             p_loss, p_logits, p_grads = _forward_backward(patched, {**b0, **cast_to(extra, dt, device)})
-            for q in hf.parameters():          # the gradients stay in h_grads; the copies made of hf carry none
-                q.grad = None
+            p_grads = _park(patched, p_grads, device)
             stage("float64 reference, streamed layer by layer: forward + backward")
             stream = StreamedReference(source, device, lm_hosts, tally, say)
             judge_grads = _Grads(h_grads, p_grads, tol)
@@ -474,6 +474,16 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
                          "params": est.params, "dtype_bytes": dt.itemsize}
     report.seconds = round(time.perf_counter() - t_start, 2)
     return report
+
+
+def _park(model: Any, grads: dict[str, Any], device: Any) -> dict[str, Any]:
+    """The gradients, moved to the host when ``device`` is a GPU; the model's ``.grad`` cleared
+    (the streamed reference's float64 copies of it then carry none)."""
+    if device.type == "cuda":
+        grads = {n: (g.to("cpu") if g is not None else None) for n, g in grads.items()}
+    for q in model.parameters():
+        q.grad = None
+    return grads
 
 
 def source_device(model: Any, default: Any) -> Any:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -185,17 +184,19 @@ def _cfg_int(cfg: Any, *names: str, default: int = 0) -> int:
 
 
 def estimate(model: Any, dtype_bytes: int, batch: int, seq: int, device: Any,
-             base_bytes: int | None = None) -> Estimate:
+             base_on_device: bool = True) -> Estimate:
     """Bytes each reference path adds to the device besides the model as it sits (works on a
-    meta-device model too).  Deliberately rough and on the safe side: weights and gradients
+    meta-device model too; ``base_on_device=False``: the model is not on the device yet).  Deliberately rough and on the safe side: weights and gradients
     exactly, activations from the config's widths.
 
     whole:    float64 weights + gradients of every parameter, every layer's float64
               activations, the run dtype's second copy (weights + gradients) and the patched
               copy's gradients.
-    streamed: the two copies in the run dtype as above, the float64 skeleton's weights and
-              gradients, two float64 layers (the one streamed, a per-site copy) with gradients,
-              one layer's float64 activations, the captured site inputs.
+    streamed: the two copies' weights in the run dtype; then the larger of (one copy's
+              gradients and activations) and (the float64 skeleton's weights and gradients,
+              two float64 layers with gradients, one layer's float64 activations, the
+              captured site inputs).  On a CUDA device the gradients of the runs under test
+              wait on the host.
     """
     found = decoder_layers(model)
     seen: set[int] = set()
@@ -223,13 +224,16 @@ def estimate(model: Any, dtype_bytes: int, batch: int, seq: int, device: Any,
     act_layer = 8 * (tokens * (24 * hidden + 6 * inter) + batch * heads * seq * seq * 3)
     act_dt = act_layer // 8 * dtype_bytes
     logits = 8 * tokens * vocab * 3 + dtype_bytes * tokens * vocab * 6
-    base = dtype_bytes * total if base_bytes is None else base_bytes
-    copies = 2 * dtype_bytes * total + dtype_bytes * total      # hf copy (w + g), patched grads
-    copies += max(0, dtype_bytes * total - base) if base_bytes is not None else 0
-    whole = 16 * total + act_layer * max(1, n_layers) + copies + act_dt * max(1, n_layers) * 2 + logits
+    weights = dtype_bytes * total * (1 if base_on_device else 2)   # the unpatched copy (+ the patched one)
+    grads = dtype_bytes * total
+    act_all = act_dt * max(1, n_layers)
+    whole = 16 * total + act_layer * max(1, n_layers) + weights + 2 * grads + act_all + logits
+    # streamed: the runs under test one after the other, their gradients moved off a CUDA device
+    # (to the host) as soon as they are computed; then the float64 skeleton and one layer at a time
     captures = 8 * tokens * hidden * 8 * max(1, n_layers)
-    streamed = (16 * other + 2 * 16 * layer_p + act_layer + copies + act_dt * max(1, n_layers) * 2 + logits
-                + captures)
+    kept_grads = 0 if str(device).startswith("cuda") else 2 * grads
+    streamed = weights + kept_grads + max(grads + act_all + logits // 2,
+                                          16 * other + 2 * 16 * layer_p + act_layer + logits + captures)
     return Estimate(total, layer_p, other, n_layers, int(whole), int(streamed), free_memory(device))
 
 
@@ -503,7 +507,17 @@ class StreamedReference:
         self.skeleton = None
 
 
-def env_mode() -> str | None:
-    """``PATCHDSL_VERIFY_REFERENCE`` (auto / whole / streamed), for runs that cannot pass the option."""
-    v = os.environ.get("PATCHDSL_VERIFY_REFERENCE")
-    return v if v in MODES else None
+def build_dtype(meta_model: Any, dtype: str, batch: int, seq: int, steps: int, device: Any, reference: str,
+                layers: int | None) -> str:
+    """The dtype to build a model in for verify on ``device`` (the CLI's choice, from the
+    meta-device model): "fp32" when the whole-model reference will be used (as on the CPU), else
+    ``dtype`` (the streamed reference then evaluates the weights under test themselves, and no
+    fp32 copy of an 8B model is kept beside them).  Raises VerifyError as :func:`choose` does."""
+    if layers is not None:
+        truncate_layers(meta_model, layers)
+    size = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    total = sum(p.numel() for p in {id(p): p for p in meta_model.parameters()}.values())
+    est = estimate(meta_model, size, batch, seq, device, base_on_device=False)
+    est.whole_bytes += 4 * total            # the fp32 model itself, built on the device
+    mode, _ = choose(reference, est, steps, decoder_layers(meta_model) is not None)
+    return "fp32" if mode == "whole" else dtype
