@@ -26,6 +26,10 @@
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
 # By name only (not in "all"): label_check (90 s; linear CE with the label check on and off), sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
+# verify_scale (300 s; bench/verify_scale.py: `patchdsl verify` of Phi-3-mini, Mistral-7B, Llama-3.1-8B- and Qwen3-8B-shaped
+# models in bf16, batch 1 x 512, 1 step, built on the GPU, streamed float64 reference; time and peak memory per model),
+# convergence (120 s; bench/convergence.py: Liger-style 32-step convergence test of mini Llama / Qwen3 / Gemma 3 on
+# real text, patchdsl vs unpatched vs Liger),
 # host_breakdown (80 s; bench/host_breakdown.py, plus --root .old and a comparison when .old/ is carried): bench ops
 # --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
 # part, patchdsl vs Liger per family), host time fast vs normal launch, bench/kern_sweep.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
@@ -53,7 +57,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="label_check sweep specialise profile amdahl host_ab kern_sweep flce host_breakdown"     # not in "all": the first round's other parts, by name only
+EXTRA="label_check sweep specialise profile amdahl host_ab kern_sweep flce host_breakdown verify_scale convergence"     # not in "all": the first round's other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -142,6 +146,8 @@ for part in $PARTS; do
     kern_sweep) lim=$(limit kern_sweep 90) ;;
     flce) lim=$(limit flce 120) ;;
     label_check) lim=$(limit label_check 90) ;;
+    verify_scale) lim=$(limit verify_scale 300) ;;
+    convergence) lim=$(limit convergence 120) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -293,6 +299,13 @@ for part in $PARTS; do
       mkdir -p "$WORK/kern"
       run_part kern_sweep "$lim" python3 bench/kern_sweep.py --budget-s $(( lim - 15 )) --out "$WORK/kern" ${KERN_ARGS:-}
       [ -f "$WORK/kern/kern_sweep.txt" ] && cat "$WORK/kern/kern_sweep.txt" >>"$WORK/summary.parts"
+      ;;
+    verify_scale|convergence)   # verify of 4-8B models (streamed float64 reference); Liger-style convergence test
+      mkdir -p "$WORK/$part"
+      PART_OUT="$WORK/$part" run_part "$part" "$lim" python3 "bench/$part.py" --budget $(( lim - 10 ))
+      [ -f "$WORK/$part/$part.txt" ] && cat "$WORK/$part/$part.txt" >>"$WORK/summary.parts"
+      v=$(grep -E "^$part: " "$LOG" | tail -n 1)
+      status+=("${v:-$part: no verdict line}")
       ;;
     amdahl)    # GPU time of one step by part, patchdsl vs Liger, per family: the bound on patchdsl/Liger
       mkdir -p "$WORK/amdahl"
