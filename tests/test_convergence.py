@@ -82,7 +82,7 @@ def test_compare_is_allclose_per_dtype():
     r = conv.Run("unpatched", [2.0, 1.5], torch.zeros(1, 2, 3), {"w": torch.ones(4)}, 0.0)
     same = conv.Run("patchdsl", [2.0, 1.5], torch.zeros(1, 2, 3), {"w": torch.ones(4)}, 0.0)
     assert all(c.passed for c in conv.compare(r, same, "fp32"))
-    off = conv.Run("patchdsl", [2.0, 1.5 * (1 + 3e-5)], torch.zeros(1, 2, 3) + 4e-3, {"w": torch.ones(4) * 1.001}, 0.0)
+    off = conv.Run("patchdsl", [2.0, 1.5 * (1 + 3e-5)], torch.zeros(1, 2, 3) + 4e-3, {"w": torch.ones(4) * 1.01}, 0.0)
     cs = {c.quantity: c for c in conv.compare(r, off, "fp32")}
     assert not cs["loss"].passed and cs["loss"].worst == "step 2"
     assert cs["topk_logprobs"].passed                          # 4e-3 <= 5e-3
