@@ -212,10 +212,24 @@ def run_variant(family: str, variant: str, dtype: str, device: str, data: list[A
     finally:
         if handle is not None:
             handle.undo()
+        if variant == "liger":
+            _revert_liger(model)
     params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     return Run(variant, losses, top, params, round(time.perf_counter() - t0, 2), note)
+
+
+def _revert_liger(model: Any) -> None:
+    """Liger's apply_liger_kernel_to_* also rebinds names in transformers' modeling module (RMSNorm
+    class, RoPE function, ...) for the whole process; reloading that module (as Liger's own tests
+    revert) lets later runs of the family build unpatched models again."""
+    import importlib
+    import sys
+
+    mod = sys.modules.get(type(model).__module__)
+    if mod is not None:
+        importlib.reload(mod)
 
 
 # ---------------------------------------------------------------- comparisons
@@ -339,7 +353,7 @@ def run_family(family: str, *, dtype: str = "fp32", device: str = "cpu", size: s
     eval_ids = data.pop()                 # the batch after the last training batch
     res = FamilyResult(family, dtype, size, steps, batch, seq, where)
     order = ["unpatched"] + [v for v in variants if v != "unpatched"]   # Liger patches classes globally: last
-    order = [v for v in order if v != "liger"] + (["liger"] if "liger" in variants else [])
+    order = [v for v in order if v != "liger"] + (["liger"] if "liger" in variants else [])   # (then reverted)
     for v in order:
         if v == "liger":
             try:
