@@ -169,12 +169,14 @@ class _Grads:
         pg, hg = self.p.get(name), self.h.get(name)
         if rg is None and pg is None:
             return
-        self.rows.append(_check("end-to-end", name, "", "grad", pg, hg, rg, self.tol))
+        if rg is not None:        # gradients parked on the host: one transfer each
+            pg = pg.to(rg.device) if pg is not None else None
+            hg = hg.to(rg.device) if hg is not None else None
+        row = _check("end-to-end", name, "", "grad", pg, hg, rg, self.tol)
+        self.rows.append(row)
         if rg is not None and pg is not None:
-            ep = errors(pg, rg)
-            eh = errors(hg, rg) if hg is not None else Errors.nonfinite()
             rn2 = float(rg.double().norm()) ** 2 if rg.numel() else 0.0
-            self.stats.append((ep.rel_fro, eh.rel_fro, rn2, ep.max_abs, ep.max_rel))
+            self.stats.append((row.rel_fro_err, row.reference_err, rn2, row.max_abs_err, row.max_rel_err))
 
     def aggregate(self) -> Check:
         """One row over all parameter gradients concatenated (informational; each was judged alone)."""
