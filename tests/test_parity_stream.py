@@ -115,9 +115,10 @@ def test_auto_picks_streamed_when_the_whole_copy_does_not_fit(monkeypatch):
     report = patchdsl.verify(NORMS, tiny_qwen3(layers=2), dtype="fp32", batch=1, seq=8, device=DEVICE)
     assert report.reference["mode"] == "streamed" and "needs" in report.reference["why"]
     assert report.passed
-    # more than one training step needs the whole float64 model: a clear error, not a silent fallback
-    with pytest.raises(VerifyError, match="--steps 0 or 1"):
-        patchdsl.verify(NORMS, tiny_qwen3(layers=2), dtype="fp32", batch=1, seq=8, device=DEVICE, steps=2)
+    # more than one training step needs the whole float64 model: auto tries it (an out-of-memory is then
+    # a message), an explicit streamed reference is an error
+    r2 = patchdsl.verify(NORMS, tiny_qwen3(layers=2), dtype="fp32", batch=1, seq=8, device=DEVICE, steps=2)
+    assert r2.reference["mode"] == "whole" and "may not fit" in r2.reference["why"] and r2.passed
     with pytest.raises(VerifyError, match="--steps 0 or 1"):
         patchdsl.verify(NORMS, tiny_qwen3(layers=2), dtype="fp32", batch=1, seq=8, device=DEVICE, steps=2,
                         reference="streamed")
