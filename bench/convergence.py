@@ -10,7 +10,8 @@ with liger_kernel's apply_liger_kernel_to_<family>(model=...) (its defaults: RoP
 SwiGLU/GeGLU, fused linear cross entropy); compare every step's loss, the top-20 log-probs of an
 evaluation batch and every final parameter against the unpatched run with Liger's tolerances.
 Liger patches transformers' modeling module for the whole process, so each Liger run comes after
-the other runs of its family and dtype, and the module is reloaded after it (as Liger's tests do).  The verdict judges patchdsl; Liger's column is there to read beside it.
+the other runs of its family and dtype, and the module is reloaded after it (as Liger's tests do).
+The verdict judges patchdsl; Liger's column is there to read beside it.
 
 Writes convergence.json and convergence.txt into $PART_OUT (or --out); prints the verdict last.
 """

@@ -326,7 +326,8 @@ class FamilyResult:
     def table(self) -> str:
         variants = [v for v in ("patchdsl", "liger") if v in self.checks]
         head = f"{self.family} {self.dtype} ({self.size}, {self.steps} steps, batch {self.batch} x {self.seq})"
-        lines = [head, f"  {'quantity':14s} {'atol/rtol':>15s} " + " ".join(f"{v + ' max|err|':>22s}" for v in variants)]
+        lines = [head, f"  {'quantity':14s} {'atol/rtol':>15s} "
+                 + " ".join(f"{v + ' max|err|':>22s}" for v in variants)]
         for i, q in enumerate(("loss", "topk_logprobs", "params")):
             t = TOLERANCES[self.dtype]["logprobs" if q == "topk_logprobs" else q]
             cells = []

@@ -146,12 +146,6 @@ def _not_patched(model: Any) -> None:
         raise ValueError("the model is already patched; pass the unpatched model (undo its handle first)")
 
 
-def _models(model_or_factory: Any) -> tuple[Any, Any, Any]:
-    """Three independent copies with identical weights (a factory is called once, then copied)."""
-    base = _base(model_or_factory)
-    return copy.deepcopy(base), copy.deepcopy(base), base
-
-
 class _Grads:
     """Judges each parameter's gradient as its float64 reference arrives (whole model: all at
     once; streamed: layer by layer in the backward), keeping numbers, not tensors."""
@@ -318,7 +312,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
         # the reference evaluates the weights as given: stream from the unpatched copy when it has them
         source = hf if base_dt == dt else copy.deepcopy(base)
         if source is not hf:
-            _prepare(source, base_dt, source_device(source, device))
+            _prepare(source, base_dt, _source_device(source, device))
     _prepare(hf, dt, device)
     _prepare(patched, dt, device)
 
@@ -488,7 +482,7 @@ def _park(model: Any, grads: dict[str, Any], device: Any) -> dict[str, Any]:
     return grads
 
 
-def source_device(model: Any, default: Any) -> Any:
+def _source_device(model: Any, default: Any) -> Any:
     p = next(model.parameters(), None)
     return p.device if p is not None else default
 

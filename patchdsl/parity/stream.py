@@ -186,8 +186,9 @@ def _cfg_int(cfg: Any, *names: str, default: int = 0) -> int:
 def estimate(model: Any, dtype_bytes: int, batch: int, seq: int, device: Any,
              base_on_device: bool = True) -> Estimate:
     """Bytes each reference path adds to the device besides the model as it sits (works on a
-    meta-device model too; ``base_on_device=False``: the model is not on the device yet).  Deliberately rough and on the safe side: weights and gradients
-    exactly, activations from the config's widths.
+    meta-device model too; ``base_on_device=False``: the model is not on the device yet).
+    Deliberately rough and on the safe side: weights and gradients exactly, activations from the
+    config's widths.
 
     whole:    float64 weights + gradients of every parameter, every layer's float64
               activations, the run dtype's second copy (weights + gradients) and the patched
