@@ -60,20 +60,37 @@ def test_streamed_equals_whole(dtype):
     assert whole.to_json()["reference"]["mode"] == "whole" and "streamed" in streamed.to_json()["reference"]["compared"]
 
 
+def tiny_qwen3_moe():
+    """A tiny Qwen3-MoE (4 experts, top-2) with transformers' eager experts (grouped_mm has no float64)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=48, intermediate_size=80, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=160, max_position_embeddings=64, decoder_sparse_step=1, mlp_only_layers=[], attention_dropout=0.0)
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "eager"
+    return AutoModelForCausalLM.from_config(cfg)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen3_moe"])
 def test_streamed_equals_whole_other_layer_kinds(family):
-    """Gemma 3 (sliding and global layers, four norms, layer_types read through the proxy) and Phi-3
-    (fused qkv / gate_up projections) stream like Qwen3."""
+    """Gemma 3 (sliding and global layers, four norms, layer_types read through the proxy), Phi-3
+    (fused qkv / gate_up projections) and a mixture-of-experts layer stream like Qwen3: the
+    streamed reference does not look inside a decoder layer."""
     from tests.families import tiny_model
 
-    spec = {"gemma3": "*.input_layernorm, *.pre_feedforward_layernorm, model.norm: RMSNorm -> fused_rmsnorm\n",
-            "phi3": NORMS}[family]
+    spec = {"gemma3": "*.input_layernorm, *.pre_feedforward_layernorm, model.norm: RMSNorm -> fused_rmsnorm\n"
+            }.get(family, NORMS)
+    make = tiny_qwen3_moe if family == "qwen3_moe" else (lambda: tiny_model(family, num_hidden_layers=2))
     kw = dict(dtype="fp32", batch=1, seq=12, seed=2, device=DEVICE, worst=10_000)
-    whole = patchdsl.verify(spec, lambda: tiny_model(family, num_hidden_layers=2), reference="whole", **kw)
-    streamed = patchdsl.verify(spec, lambda: tiny_model(family, num_hidden_layers=2), reference="streamed", **kw)
+    whole = patchdsl.verify(spec, make, reference="whole", **kw)
+    streamed = patchdsl.verify(spec, make, reference="streamed", **kw)
     assert whole.passed
     _same(whole, streamed)
+    assert streamed.reference["float64_params_peak"] < whole.reference["float64_params_peak"]
 
 
 STREAM_MUTATIONS = [m for m in ALL_MUTATIONS if _template_of(m.op) and (m.op, m.name) in {
