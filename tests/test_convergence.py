@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from patchdsl.parity import convergence as conv
+from tests.kernels.helpers import DEVICE
 from tests.test_mutations import ALL_MUTATIONS, _template_of, mutate  # noqa: F401  (fixture)
 
 STEPS, BATCH, SEQ = 8, 1, 32
@@ -46,13 +47,13 @@ def test_tolerances_are_no_looser_than_ligers():
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(conv.FAMILIES))
 def test_patched_training_matches_unpatched(family):
-    res = conv.run_family(family, dtype="fp32", steps=STEPS, batch=BATCH, seq=SEQ,
+    res = conv.run_family(family, dtype="fp32", steps=STEPS, batch=BATCH, seq=SEQ, device=DEVICE,
                           spec=conv.spec_text(family, without=("Attention",)))
     assert res.passed, res.table()
     assert set(res.runs) == {"unpatched", "patchdsl"} and "site(s) patched" in res.runs["patchdsl"].note
     assert int(res.runs["patchdsl"].note.split()[0]) >= 4
     assert len(res.runs["unpatched"].losses) == STEPS
-    init = {n: q.detach() for n, q in conv.build(family, "tiny", "fp32", "cpu").named_parameters()}
+    init = {n: q.detach().cpu() for n, q in conv.build(family, "tiny", "fp32", DEVICE).named_parameters()}
     moved = [n for n, q in res.runs["unpatched"].params.items() if not torch.equal(q, init[n])]
     assert len(moved) == len(init)                      # every parameter trained (the comparison is not vacuous)
     js = res.to_json()
@@ -68,7 +69,7 @@ BROKEN = [m for m in ALL_MUTATIONS if _template_of(m.op) and (m.op, m.name) == (
 @pytest.mark.parametrize("mutation", BROKEN, ids=[m.id for m in BROKEN])
 def test_a_broken_kernel_fails_the_convergence_test(mutation, mutate):  # noqa: F811
     broken = mutate(mutation)          # a wrong sign in the RMSNorm input gradient
-    res = conv.run_family("llama", dtype="fp32", steps=3, batch=BATCH, seq=SEQ,
+    res = conv.run_family("llama", dtype="fp32", steps=3, batch=BATCH, seq=SEQ, device=DEVICE,
                           spec="*.input_layernorm, *.post_attention_layernorm, model.norm: RMSNorm -> fused_rmsnorm\n")
     assert broken
     assert not res.passed
