@@ -28,6 +28,10 @@
 # By name only (not in "all"): compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
 # (regional) vs patchdsl.compile_model (whole) vs plain torch.compile of the patched model, each in its own process;
 # COMPILE_VARIANTS picks rows, e.g. COMPILE_VARIANTS=compile T_COMPILE_PERF=300 T_VARIANT=280 for torch.compile alone),
+# verify_scale (300 s; bench/verify_scale.py: `patchdsl verify` of Phi-3-mini, Mistral-7B, Llama-3.1-8B- and Qwen3-8B-shaped
+# models in bf16, batch 1 x 512, 1 step, built on the GPU, streamed float64 reference; time and peak memory per model),
+# convergence (120 s; bench/convergence.py: Liger-style 32-step convergence test of mini Llama / Qwen3 / Gemma 3 on
+# real text, patchdsl vs unpatched vs Liger),
 # label_check (90 s; linear CE with the label check on and off), sweep (300 s; bench ops
 # --sweep-only), specialise (120 s; bench specialise), host_breakdown (80 s; bench/host_breakdown.py, plus --root .old
 # and a comparison when .old/ is carried); SWEEP_ARGS / SPEC_ARGS add arguments.  The one-off investigations of the
@@ -57,7 +61,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="compile_perf label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -142,6 +146,8 @@ for part in $PARTS; do
     host_breakdown) lim=$(limit host_breakdown 80) ;;
     label_check) lim=$(limit label_check 90) ;;
     compile_perf) lim=$(limit compile_perf 200) ;;
+    verify_scale) lim=$(limit verify_scale 300) ;;
+    convergence) lim=$(limit convergence 120) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -273,6 +279,13 @@ for part in $PARTS; do
         [ -f "$WORK/host_breakdown_old.json" ] && python3 bench/host_breakdown.py --compare "$WORK/host_breakdown_old.json" \
           "$WORK/host_breakdown.json"; } >"$WORK/host_breakdown.txt" 2>>"$LOG"
       cat "$WORK/host_breakdown.txt" | tee -a "$LOG" >>"$WORK/summary.parts"
+      ;;
+    verify_scale|convergence)   # verify of 4-8B models (streamed float64 reference); Liger-style convergence test
+      mkdir -p "$WORK/$part"
+      PART_OUT="$WORK/$part" run_part "$part" "$lim" python3 "bench/$part.py" --budget $(( lim - 10 ))
+      [ -f "$WORK/$part/$part.txt" ] && cat "$WORK/$part/$part.txt" >>"$WORK/summary.parts"
+      v=$(grep -E "^$part: " "$LOG" | tail -n 1)
+      status+=("${v:-$part: no verdict line}")
       ;;
   esac
   pack

@@ -455,18 +455,35 @@ def _run_json(r, speed: bool) -> dict:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the weights and inputs.")
 @click.option("--device", help="cpu or cuda[:N] (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
+@click.option("--layers", type=click.IntRange(1, 100_000),
+              help="Keep only the first N decoder layers: a quick check of a large model at its real widths "
+                   "(the report says so).")
+@click.option("--reference", type=click.Choice(["auto", "whole", "streamed"]), default="auto", show_default=True,
+              help="The float64 reference: a copy of the whole model, or streamed one decoder layer at a time "
+                   "(for models whose float64 copy does not fit); auto picks by a memory estimate.")
 @json_option
 @click.option("--progress", is_flag=True, help="Say on stderr what runs, with elapsed seconds.")
 @include_dir_option
-def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, progress) -> None:
+def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, reference, as_json, progress) -> None:
     """Prove gradient parity of the patched model against a float64 reference."""
     from .parity import verify as run_verify
+    from .parity.stream import VerifyError, build_dtype
 
     device = _device(device)
     dtype = dtype or _default_dtype(device)
     tiny = (not device.startswith("cuda")) if tiny is None else tiny
     sp = _read_spec(spec)
     told = []
+    # validate the model id early (exit 2) and say where it came from
+    meta = _load_model(model, meta=True, tiny=tiny, log=lambda m: None).model   # quietly
+    # on a GPU the model is built there (in fp32 when the whole float64 model fits beside it, else in the
+    # run dtype: the reference then evaluates exactly the weights under test); on the CPU in fp32
+    try:
+        build_dt, build_dev = (("fp32", "cpu") if tiny or not device.startswith("cuda") else
+                               (build_dtype(meta, dtype, batch, seq, steps, device, reference, layers), device))
+    except VerifyError as e:
+        raise UsageFailure(str(e)) from None
+    del meta
 
     def factory():
         import torch
@@ -475,17 +492,19 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, as_json, p
         # the first build says what verify runs on (random weights, seed); the others are the same model
         log = None if told else (lambda m: click.echo(m, err=True))
         told.append(True)
-        return _load_model(model, meta=False, dtype="fp32", device="cpu", tiny=tiny, seed=seed,
+        return _load_model(model, meta=False, dtype=build_dt, device=build_dev, tiny=tiny, seed=seed,
                            log=log or (lambda m: None)).model
 
-    _load_model(model, meta=True, tiny=tiny, log=lambda m: None)   # the model id checked early (exit 2), quietly
     t0 = time.perf_counter()
 
     def say(m: str) -> None:
         click.echo(f"[verify {time.perf_counter() - t0:7.1f}s] {m}", err=True)
 
-    report = run_verify(sp, factory, dtype=dtype, batch=batch, seq=seq, steps=steps, seed=seed, device=device,
-                        log=say if progress else None)
+    try:
+        report = run_verify(sp, factory, dtype=dtype, batch=batch, seq=seq, steps=steps, seed=seed, device=device,
+                            layers=layers, reference=reference, log=say if progress else None)
+    except VerifyError as e:           # out of memory, or a reference that cannot run as asked
+        raise UsageFailure(str(e)) from None
     if progress:
         say("done")
     if as_json:

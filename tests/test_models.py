@@ -28,6 +28,9 @@ SHIPPED = {
     "microsoft/Phi-3-mini-4k-instruct": ("Phi3ForCausalLM", "phi3", 32, 3072, 8192, 32, 32, 96, 32064, False,
                                          3_821_079_552),
     "Qwen/Qwen2.5-0.5B": ("Qwen2ForCausalLM", "qwen2", 24, 896, 4864, 14, 2, 64, 151936, True, 494_032_768),
+    "meta-llama/Llama-3.1-8B": ("LlamaForCausalLM", "llama", 32, 4096, 14336, 32, 8, 128, 128256, False,
+                                8_030_261_248),
+    "Qwen/Qwen3-8B": ("Qwen3ForCausalLM", "qwen3", 36, 4096, 12288, 32, 8, 128, 151936, False, 8_190_735_360),
 }
 
 

@@ -183,12 +183,19 @@ def run_site(model: Any, host_path: str, site_path: str, captured: Captured, dty
     Parameter gradients are taken with ``torch.autograd.grad`` so ``.grad`` is never touched.
     ``context``: entered around the forward (the reference's float64 mode).
     """
+    host = model.get_submodule(host_path) if host_path else model
+    module = model.get_submodule(site_path) if site_path else model
+    return run_host(host, module, host_path, captured, dtype, device, upstream, is_lm, context)
+
+
+def run_host(host: Any, module: Any, host_path: str, captured: Captured, dtype: Any, device: Any,
+             upstream: Callable[[Any], Any], is_lm: bool, context: Any = None) -> dict[str, Any]:
+    """:func:`run_site` on a host module given directly (a float64 copy of one site's host in the
+    streamed reference, see :mod:`.stream`); ``module`` is the site's module inside ``host``."""
     import contextlib
 
     import torch
 
-    host = model.get_submodule(host_path) if host_path else model
-    module = model.get_submodule(site_path) if site_path else model
     args = cast_to(captured.args, dtype, device)
     kwargs = cast_to(captured.kwargs, dtype, device)
     restore = None

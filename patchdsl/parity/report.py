@@ -66,6 +66,10 @@ class ParityReport:
     refused_required: list[str] = field(default_factory=list)   # refusals of sites not marked optional
     grads_compared: int = 0
     attention: str | None = None          # the spec's attention implementation, when it sets one
+    layers: dict[str, int] | None = None  # verify(layers=N): {"used": N, "of": the model's decoder layers}
+    reference: dict[str, Any] = field(default_factory=dict)   # how the float64 reference was computed
+    memory: dict[str, Any] | None = None  # CUDA: {"peak_bytes", "device_total_bytes", "params", "dtype_bytes"}
+    seconds: float | None = None
 
     # ---- results -------------------------------------------------------------------
     @property
@@ -113,6 +117,8 @@ class ParityReport:
             s = "FAIL: " + "; ".join(parts)
         if self.refused:
             s += f" ({len(self.refused)} site(s) refused and left unpatched)"
+        if self.layers and self.layers["used"] < self.layers["of"]:
+            s += f" [first {self.layers['used']} of {self.layers['of']} decoder layers only]"
         return s
 
     # ---- output --------------------------------------------------------------------
@@ -140,14 +146,20 @@ class ParityReport:
             "grads_compared": self.grads_compared,
             "refused": list(self.refused), "refused_required": list(self.refused_required),
             "attention": self.attention,
+            "layers": dict(self.layers) if self.layers else None,
+            "reference": {k: _num(v) for k, v in self.reference.items()},
+            "memory": dict(self.memory) if self.memory else None,
+            "seconds": self.seconds,
         }
 
     def table(self):
         """The report as a ``rich.table.Table``."""
         from rich.table import Table
 
+        cut = (f", first {self.layers['used']} of {self.layers['of']} decoder layers"
+               if self.layers and self.layers["used"] < self.layers["of"] else "")
         t = Table(title=f"patchdsl verify: {self.spec} on {self.model_class} ({self.dtype}, {self.device}, "
-                        f"batch {self.batch} x seq {self.seq})")
+                        f"batch {self.batch} x seq {self.seq}{cut})")
         for col, just in (("", "left"), ("kind", "left"), ("path", "left"), ("op", "left"), ("quantity", "left"),
                           ("rel err", "right"), ("HF err", "right"), ("bound", "right"),
                           ("max abs", "right"), ("max rel", "right")):
@@ -188,6 +200,13 @@ class ParityReport:
             console.print(f"patched model ran with attention implementation {self.attention}")
         for r in self.refused:
             console.print(f"refused: {r}")
+        if self.reference:
+            line = f"float64 reference: {self.reference.get('mode')} ({self.reference.get('why')})"
+            if self.memory:
+                line += f"; peak device memory {self.memory['peak_bytes'] / 2 ** 30:.1f} GiB"
+            if self.seconds is not None:
+                line += f"; {self.seconds:.0f} s"
+            console.print(line)
         style = "bold green" if self.passed else "bold red"
         console.print(f"[{style}]{self.verdict}[/]")
 

@@ -20,9 +20,11 @@ import copy
 from typing import Any, Callable
 
 from .compare import Errors, Tolerance, errors, judge, tolerance_for
-from .hooks import Capture, cast_to, run_site
+from .hooks import Capture, cast_to, run_host, run_site
 from .reference import float64_mode
 from .report import Check, ParityReport
+from .stream import (MODES, Float64Tally, StreamedReference, VerifyOutOfMemory, choose, decoder_layers, estimate,
+                     truncate_layers)
 
 TORCH_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -129,32 +131,89 @@ def _finite(t: Any) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def _models(model_or_factory: Any) -> tuple[Any, Any, Any]:
-    """Three independent copies with identical weights (a factory is called once, then copied)."""
+def _base(model_or_factory: Any) -> Any:
+    """The model verify patches: a deep copy of an ``nn.Module`` argument (left untouched), or
+    what the factory returns (consumed)."""
     import torch
 
     if isinstance(model_or_factory, torch.nn.Module):
-        base = model_or_factory
-        patched = copy.deepcopy(base)
-    elif callable(model_or_factory):
+        src = model_or_factory
+        _not_patched(src)
+        return copy.deepcopy(src)
+    if callable(model_or_factory):
         base = model_or_factory()
         if not isinstance(base, torch.nn.Module):
             raise TypeError(f"the model factory returned {type(base).__name__}, not a torch.nn.Module")
-        patched = base
-    else:
-        raise TypeError("verify() needs an nn.Module or a zero-argument function returning one")
+        _not_patched(base)
+        return base
+    raise TypeError("verify() needs an nn.Module or a zero-argument function returning one")
+
+
+def _not_patched(model: Any) -> None:
     from ..runtime.patch import SITE_ATTR
 
-    if any(SITE_ATTR in m.__dict__ for m in base.modules()):
+    if any(SITE_ATTR in m.__dict__ for m in model.modules()):
         raise ValueError("the model is already patched; pass the unpatched model (undo its handle first)")
-    ref = copy.deepcopy(base)
-    hf = copy.deepcopy(base)
-    return ref, hf, patched
+
+
+class _Grads:
+    """Judges each parameter's gradient as its float64 reference arrives (whole model: all at
+    once; streamed: layer by layer in the backward), keeping numbers, not tensors."""
+
+    def __init__(self, h_grads: dict[str, Any], p_grads: dict[str, Any], tol: Tolerance):
+        self.h, self.p, self.tol = h_grads, p_grads, tol
+        self.rows: list[Check] = []
+        self.stats: list[tuple[float, float, float, float, float]] = []   # rel_p, rel_h, |ref|^2, max_abs, max_rel
+        self.seen: set[str] = set()
+
+    def add(self, name: str, rg: Any) -> None:
+        if name in self.seen:
+            return
+        self.seen.add(name)
+        pg, hg = self.p.get(name), self.h.get(name)
+        if rg is None and pg is None:
+            return
+        if rg is not None:        # gradients parked on the host: one transfer each
+            pg = pg.to(rg.device) if pg is not None else None
+            hg = hg.to(rg.device) if hg is not None else None
+        row = _check("end-to-end", name, "", "grad", pg, hg, rg, self.tol)
+        self.rows.append(row)
+        if rg is not None and pg is not None:
+            rn2 = float(rg.double().norm()) ** 2 if rg.numel() else 0.0
+            self.stats.append((row.rel_fro_err, row.reference_err, rn2, row.max_abs_err, row.max_rel_err))
+
+    def aggregate(self) -> Check:
+        """One row over all parameter gradients concatenated (informational; each was judged alone)."""
+        import math
+
+        num_p = num_h = den = 0.0
+        max_abs = max_rel = 0.0
+        for rp, rh, rn2, ma, mr in self.stats:
+            num_p += rp ** 2 * rn2
+            num_h += rh ** 2 * rn2
+            den += rn2
+            max_abs, max_rel = max(max_abs, ma), max(max_rel, mr)
+        rp = math.sqrt(num_p / den) if den else 0.0
+        rh = math.sqrt(num_h / den) if den else 0.0
+        bound = self.tol.bound(rh)
+        return Check("end-to-end", "", "", f"grad (all {len(self.stats)} parameters)", max_abs, max_rel, rp, rh,
+                     bound, rp <= bound, "each parameter judged separately")
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, getattr(torch, "OutOfMemoryError", ())) or isinstance(e, MemoryError):
+        return True
+    msg = str(e)
+    return isinstance(e, RuntimeError) and ("out of memory" in msg.lower() or "can't allocate memory" in msg
+                                            or "not enough memory" in msg.lower())
 
 
 def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int = 2, seq: int = 16,
            steps: int = 0, seed: int = 0, device: Any = None, target: str | None = None, lr: float = 1e-3,
            factor: float | None = None, floor: float | None = None, worst: int = 5,
+           layers: int | None = None, reference: str = "auto",
            log: Callable[[str], None] | None = None) -> ParityReport:
     """Check that ``spec`` applied to the model keeps forward values and gradients as accurate
     (against float64) as the unpatched model in ``dtype``.  Returns a :class:`ParityReport`;
@@ -164,13 +223,15 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
     an ``nn.Module`` (left untouched: it is deep-copied) or a zero-argument function returning
     one (called once; its model is consumed).  ``device``: "cpu", "cuda", ... (default: cuda
     when available).  ``target``: the kernel target (default: detected).  ``factor`` / ``floor``
-    override the tolerance rule of :mod:`patchdsl.parity.compare`.
+    override the tolerance rule of :mod:`patchdsl.parity.compare`.  ``layers``: keep only the
+    first N decoder layers (a quick check of a large model at its real widths; the report says
+    so).  ``reference``: "whole" (a float64 copy of the whole model), "streamed" (one decoder
+    layer at a time, see :mod:`patchdsl.parity.stream`) or "auto" (whole when it fits).
+
+    Running out of memory raises :class:`~patchdsl.parity.stream.VerifyOutOfMemory` (a
+    ``ValueError``) saying what to try; the CLI prints it and exits 2.
     """
     import torch
-
-    from ..codegen.env import target as detect_target
-    from ..planner import PatchPlan, plan as make_plan
-    from ..runtime import apply
 
     dtype = _dtype_name(dtype)
     if dtype not in TORCH_DTYPES:
@@ -178,21 +239,96 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
                          f"torch.float16), got {dtype!r}")
     if batch < 1 or seq < 2 or steps < 0:
         raise ValueError("need batch >= 1, seq >= 2 and steps >= 0")
-    say = log or (lambda m: None)
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers must be at least 1, got {layers}")
+    if reference not in MODES:
+        raise ValueError(f"reference must be one of {', '.join(MODES)}, got {reference!r}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    phase = ["building the models"]
+    try:
+        return _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, target, lr, factor, floor,
+                       worst, layers, reference, log, phase)
+    except Exception as e:       # out of memory anywhere: a message saying what to try
+        if not _is_oom(e):
+            raise
+        msg = _oom_message(e, phase[0], device, dtype, batch, seq, layers, reference)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    raise VerifyOutOfMemory(msg)
+
+
+def _oom_message(e: BaseException, phase: str, device: Any, dtype: str, batch: int, seq: int,
+                 layers: int | None, reference: str) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    tries = []
+    if reference != "streamed":
+        tries.append("--reference streamed (one float64 decoder layer at a time)")
+    tries.append(f"--layers N (fewer decoder layers at the real widths{f'; now {layers}' if layers else ''})")
+    if batch > 1:
+        tries.append(f"a smaller --batch (now {batch})")
+    tries.append(f"a smaller --seq (now {seq})")
+    return (f"verify ran out of memory on {device} while {phase} ({dtype}, batch {batch} x seq {seq}, "
+            f"reference {reference}): {first[:200]}.  Try " + ", or ".join(tries) + ".")
+
+
+def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, target, lr, factor, floor, worst,
+            layers, reference, log, phase) -> ParityReport:
+    import time
+
+    import torch
+
+    from ..codegen.env import target as detect_target
+    from ..planner import PatchPlan, plan as make_plan
+    from ..runtime import apply
+
+    t_start = time.perf_counter()
+    say = log or (lambda m: None)
+
+    def stage(m: str) -> None:
+        phase[0] = m
+        say(m)
+
     target = target or detect_target()
     if target == "cuda" and device.type != "cuda":
         raise ValueError(f"the kernels are compiled for cuda; run verify with device='cuda', not {device}")
     tol = tolerance_for(dtype, factor, floor)
     dt = _torch_dtype(dtype)
 
-    say("building the three models (float64 reference, unpatched, patched)")
-    ref, hf, patched = _models(model_or_factory)
-    say(f"moving them to {device}")
-    _prepare(ref, torch.float64, device)
+    stage("building the model")
+    base = _base(model_or_factory)
+    layers_info = None
+    if layers is not None:
+        kept, of = truncate_layers(base, layers)
+        layers_info = {"used": kept, "of": of}
+        say(f"kept the first {kept} of {of} decoder layers")
+    p0 = next(base.parameters(), None)
+    base_dt = p0.dtype if p0 is not None else dt
+    est = estimate(base, dt.itemsize, batch, seq, device,
+                   base_on_device=p0 is not None and p0.device.type == device.type)
+    mode, why = choose(reference, est, steps, decoder_layers(base) is not None)
+    say(f"float64 reference: {mode} ({why})")
+    tally = Float64Tally()
+    stream = None
+    if mode == "whole":
+        stage("copying the model (float64 reference, unpatched, patched)")
+        ref, hf, patched = copy.deepcopy(base), copy.deepcopy(base), base
+        _prepare(ref, torch.float64, device)
+        tally.track(ref)
+        source = None
+    else:
+        stage("copying the model (unpatched, patched; the float64 reference is streamed)")
+        ref = None
+        hf, patched = copy.deepcopy(base), base
+        # the reference evaluates the weights as given: stream from the unpatched copy when it has them
+        source = hf if base_dt == dt else copy.deepcopy(base)
+        if source is not hf:
+            _prepare(source, base_dt, _source_device(source, device))
     _prepare(hf, dt, device)
     _prepare(patched, dt, device)
 
+    stage("planning and applying the kernels")
     p = spec if isinstance(spec, PatchPlan) else make_plan(spec, patched, target=target, dtypes=(dtype,))
     say(f"planned {len(p.sites)} site(s); generating and applying the kernels")
     handle = apply(p, patched, target=target)
@@ -213,34 +349,59 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
         report.sites = [{**d, "floor": site_tol[d["path"]].floor} if site_tol[d["path"]] is not tol else d
                         for d in report.sites]
     report.attention = p.attention.impl if p.attention is not None else None
+    report.layers = layers_info
     try:
         gen = torch.Generator().manual_seed(seed)
         vocab = _vocab(patched)
         b0 = _batch(gen, vocab, batch, seq, device)
-        extra = _op_inputs(live, ref, hf, patched, batch, seq, seed)   # e.g. a teacher for a distillation loss
+        ref_like = ref if ref is not None else source
+        extra = _op_inputs(live, ref_like, hf, patched, batch, seq, seed)   # e.g. a teacher for a distillation loss
         if extra:
             say(f"the patched ops take {', '.join(sorted(extra))}: the unpatched copies answer those calls "
                 "in plain PyTorch")
-        batches = {id(m): {**b0, **cast_to(extra, mdt, device)}
-                   for m, mdt in ((ref, torch.float64), (hf, dt), (patched, dt))}
-
-        # ---- whole-model runs; the float64 one also records every site's inputs -------------
         lm_hosts = {s.host: _is_causal_lm(p, s.host) for s in live}
-        cap = Capture(ref, lm_hosts)
-        try:
-            say("float64 reference: forward + backward")
-            r_loss, r_logits, r_grads = _forward_backward(ref, batches[id(ref)])
-        finally:
-            cap.remove()
-        say(f"unpatched {dtype}: forward + backward")
-        h_loss, h_logits, h_grads = _forward_backward(hf, batches[id(hf)])
-        say(f"patched {dtype}: forward + backward")
-        p_loss, p_logits, p_grads = _forward_backward(patched, batches[id(patched)])
+
+        if mode == "whole":
+            batches = {id(m): {**b0, **cast_to(extra, mdt, device)}
+                       for m, mdt in ((ref, torch.float64), (hf, dt), (patched, dt))}
+            # ---- whole-model runs; the float64 one also records every site's inputs ---------
+            cap = Capture(ref, lm_hosts)
+            try:
+                stage("float64 reference: forward + backward")
+                r_loss, r_logits, r_grads = _forward_backward(ref, batches[id(ref)])
+            finally:
+                cap.remove()
+            calls = cap.calls
+            stage(f"unpatched {dtype}: forward + backward")
+            h_loss, h_logits, h_grads = _forward_backward(hf, batches[id(hf)])
+            stage(f"patched {dtype}: forward + backward")
+            p_loss, p_logits, p_grads = _forward_backward(patched, batches[id(patched)])
+            judge_grads = _Grads(h_grads, p_grads, e2e_tol)
+            for n, rg in r_grads.items():
+                judge_grads.add(n, rg)
+            del r_grads
+        else:
+            # ---- the runs under test first (their gradients are kept), then the float64 one streamed
+            # (on a GPU their gradients wait on the host: an 8B model's two bf16 gradient sets are 32 GB)
+            stage(f"unpatched {dtype}: forward + backward")
+            h_loss, h_logits, h_grads = _forward_backward(hf, {**b0, **cast_to(extra, dt, device)})
+            h_grads = _park(hf, h_grads, device)
+            stage(f"patched {dtype}: forward + backward")
+            p_loss, p_logits, p_grads = _forward_backward(patched, {**b0, **cast_to(extra, dt, device)})
+            p_grads = _park(patched, p_grads, device)
+            stage("float64 reference, streamed layer by layer: forward + backward")
+            stream = StreamedReference(source, device, lm_hosts, tally, say)
+            judge_grads = _Grads(h_grads, p_grads, e2e_tol)
+            stream.on_grad = judge_grads.add
+            r_loss, r_logits = stream.forward_backward({**b0, **cast_to(extra, torch.float64, device)})
+            calls = stream.capture.calls
+            for n, _ in hf.named_parameters():     # parameters the float64 run never reached
+                judge_grads.add(n, None)
 
         # ---- per site, each on the reference's inputs ---------------------------------------
         for i, s in enumerate(live):
-            say(f"site {s.path or '<model>'} ({s.op})")
-            c = cap.calls.get(s.host)
+            stage(f"site {s.path or '<model>'} ({s.op})")
+            c = calls.get(s.host)
             if c is None:
                 inf = float("inf")
                 report.rows.append(Check("site", s.path, s.op, "output", inf, inf, inf, float("nan"), float("nan"),
@@ -255,24 +416,30 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
                 return torch.randn(main.shape, generator=g, dtype=torch.float64).to(main.device, main.dtype)
 
             res = {name: run_site(m, s.host, s.path, c, mdt, device, upstream, is_lm, _ctx(m))
-                   for name, m, mdt in (("ref", ref, torch.float64), ("hf", hf, dt), ("patched", patched, dt))}
+                   for name, m, mdt in (("hf", hf, dt), ("patched", patched, dt))}
+            if ref is not None:
+                res["ref"] = run_site(ref, s.host, s.path, c, torch.float64, device, upstream, is_lm, _ctx(ref))
+            else:
+                with stream.host(s.host) as (h64, hp):
+                    rel = s.path[len(hp) + 1:] if hp and s.path != hp else (s.path if not hp else "")
+                    mod = h64.get_submodule(rel) if rel else h64
+                    res["ref"] = run_host(h64, mod, s.host, c, torch.float64, device, upstream, is_lm,
+                                          float64_mode())
+                    del h64, mod
             for q in res["ref"]:
                 rv, hv, pv = res["ref"][q], res["hf"].get(q), res["patched"].get(q)
                 if rv is None and pv is None:
                     continue
                 report.rows.append(_check("site", s.path, s.op, q, pv, hv, rv, site_tol.get(s.path, tol)))
+            del res
 
         # ---- end to end --------------------------------------------------------------------
         tol = e2e_tol
         report.rows.append(_check("end-to-end", "", "", "loss", p_loss, h_loss, r_loss, tol))
         if p_logits is not None and r_logits is not None:
             report.rows.append(_check("end-to-end", "", "", "logits", p_logits, h_logits, r_logits, tol))
-        grad_rows = []
-        for n, rg in r_grads.items():
-            pg, hg = p_grads.get(n), h_grads.get(n)
-            if rg is None and pg is None:
-                continue
-            grad_rows.append(_check("end-to-end", n, "", "grad", pg, hg, rg, tol))
+        del r_logits, h_logits, p_logits
+        grad_rows = judge_grads.rows
         report.grads_compared = len(grad_rows)
 
         def badness(r: Check) -> float:
@@ -285,20 +452,43 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
         shown += [r for r in grad_rows if r.passed][:max(0, worst - len(shown))]
         report.rows.extend(shown)
         if grad_rows and all(r.passed for r in grad_rows):
-            agg = _aggregate(r_grads, h_grads, p_grads, tol)
-            report.rows.append(agg)
+            report.rows.append(judge_grads.aggregate())
         elif grad_rows:
             n_bad = sum(not r.passed for r in grad_rows)
             report.rows.append(Check("end-to-end", "", "", f"grad (all {len(grad_rows)} parameters)",
                                      max(r.max_abs_err for r in grad_rows), max(r.max_rel_err for r in grad_rows),
                                      max(r.rel_fro_err for r in grad_rows), float("nan"), float("nan"), False,
                                      f"{n_bad} parameter gradient(s) out of tolerance"))
+        del h_grads, p_grads, judge_grads
 
         # ---- training steps ----------------------------------------------------------------
         if steps:
-            _steps(report, (ref, hf, patched), gen, vocab, batch, seq, steps, lr, device, tol, say, extra)
+            stage(f"{steps} training step(s)")
+            if mode == "whole":
+                _steps(report, (ref, hf, patched), gen, vocab, batch, seq, steps, lr, device, tol, say, extra)
+            else:
+                _first_step(report, stream, (hf, patched), gen, vocab, batch, seq, device, tol, extra)
+        report.reference = {
+            "mode": mode, "why": why, "float64_params_peak": tally.peak, "params": est.params,
+            "layer_params": est.layer_params, "outside_layers_params": est.other_params,
+            "layer_copies": stream.layer_copies if stream is not None else 0,
+            "estimate": est.to_json(),
+            "compared": (
+                "sites: each host module's float64 copy, on the float64 run's captured inputs; end to end: "
+                "a float64 copy of the whole model" if mode == "whole" else
+                "sites: each host module's float64 copy made, run on the streamed float64 run's captured inputs "
+                "and freed; end to end: the float64 run streamed one decoder layer at a time (forward, then the "
+                "backward layer by layer in reverse, recomputing each layer from its saved float64 input), "
+                "every parameter gradient judged as it is computed")}
     finally:
         handle.undo()
+        if stream is not None:
+            stream.close()
+    if device.type == "cuda":
+        report.memory = {"peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+                         "device_total_bytes": int(torch.cuda.get_device_properties(device).total_memory),
+                         "params": est.params, "dtype_bytes": dt.itemsize}
+    report.seconds = round(time.perf_counter() - t_start, 2)
     return report
 
 
@@ -321,27 +511,38 @@ def _site_tolerances(live, dtype: str, tol: Tolerance, floor: float | None) -> d
     return out
 
 
-def _aggregate(r_grads, h_grads, p_grads, tol) -> Check:
-    """One row over all parameter gradients concatenated (informational; each was judged alone)."""
-    import math
+def _park(model: Any, grads: dict[str, Any], device: Any) -> dict[str, Any]:
+    """The gradients, moved to the host when ``device`` is a GPU; the model's ``.grad`` cleared
+    (the streamed reference's float64 copies of it then carry none)."""
+    if device.type == "cuda":
+        grads = {n: (g.to("cpu") if g is not None else None) for n, g in grads.items()}
+    for q in model.parameters():
+        q.grad = None
+    return grads
 
-    names = [n for n, g in r_grads.items() if g is not None and p_grads.get(n) is not None]
-    num_p = num_h = den = 0.0
-    max_abs = max_rel = 0.0
-    for n in names:
-        r = r_grads[n]
-        ep = errors(p_grads[n], r)
-        eh = errors(h_grads[n], r) if h_grads.get(n) is not None else Errors.nonfinite()
-        rn2 = float(r.double().norm()) ** 2
-        num_p += (ep.rel_fro ** 2) * rn2
-        num_h += (eh.rel_fro ** 2) * rn2
-        den += rn2
-        max_abs, max_rel = max(max_abs, ep.max_abs), max(max_rel, ep.max_rel)
-    rp = math.sqrt(num_p / den) if den else 0.0
-    rh = math.sqrt(num_h / den) if den else 0.0
-    bound = tol.bound(rh)
-    return Check("end-to-end", "", "", f"grad (all {len(names)} parameters)", max_abs, max_rel, rp, rh, bound,
-                 rp <= bound, "each parameter judged separately")
+
+def _source_device(model: Any, default: Any) -> Any:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else default
+
+
+def _first_step(report: ParityReport, stream: Any, models, gen, vocab, batch, seq, device, tol,
+                extra: dict[str, Any] | None) -> None:
+    """``steps=1`` with the streamed reference: step 1's loss is taken before any update, so it
+    needs no float64 optimizer (see :data:`.stream._STEPS_MSG` for more steps)."""
+    import torch
+
+    b = _batch(gen, vocab, batch, seq, device)
+    losses = []
+    for m in models:
+        p0 = next(m.parameters(), None)
+        kw = cast_to(extra, p0.dtype, device) if extra and p0 is not None else {}
+        out = m(**b, **kw)
+        losses.append(out.loss.detach())
+        del out
+    kw = cast_to(extra, torch.float64, device) if extra else {}
+    r = stream.loss({**b, **kw})
+    report.rows.append(_check("step", "", "", "loss step 1", losses[1], losses[0], r, tol))
 
 
 def _op_inputs(live: list, ref: Any, hf: Any, patched: Any, batch: int, seq: int, seed: int) -> dict[str, Any]:

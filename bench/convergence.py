@@ -1,0 +1,115 @@
+"""The convergence test at Liger-Kernel's mini-model sizes on the GPU: patchdsl vs unpatched vs Liger.
+
+    python bench/convergence.py [--budget 110] [--families llama,qwen3,gemma3] [--dtypes bf16,fp32]
+                                [--steps 32 --batch 8 --seq 512] [--device cuda] [--size mini|tiny]
+
+For each family (patchdsl.parity.convergence.FAMILIES: Liger's mini configs, 4 layers, hidden
+896-1024, vocabulary 32000) and dtype: train 32 AdamW steps (lr 1e-4) on byte tokens of Python's
+standard-library sources, unpatched, patched with the family's whole shipped spec, and patched
+with liger_kernel's apply_liger_kernel_to_<family>(model=...) (its defaults: RoPE, RMSNorm,
+SwiGLU/GeGLU, fused linear cross entropy); compare every step's loss, the top-20 log-probs of an
+evaluation batch and every final parameter against the unpatched run with Liger's tolerances.
+Liger patches transformers' modeling module for the whole process, so each Liger run comes after
+the other runs of its family and dtype, and the module is reloaded after it (as Liger's tests do).
+The verdict judges patchdsl; Liger's column is there to read beside it.
+
+Writes convergence.json and convergence.txt into $PART_OUT (or --out); prints the verdict last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget", type=float, default=110.0)
+    ap.add_argument("--families", default="llama,qwen3,gemma3")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", default="mini", choices=("mini", "tiny"))
+    ap.add_argument("--no-liger", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("PART_OUT", "."))
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    from patchdsl.parity import convergence as conv
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids, where = conv.tokens()
+    data = conv.batches(ids, a.steps + 1, a.batch, a.seq)
+    eval_ids = data.pop()
+    print(f"text: {where}; {ids.numel()} byte tokens; {a.steps} steps of {a.batch} x {a.seq}", flush=True)
+    families = [f for f in a.families.split(",") if f]
+    dtypes = [d for d in a.dtypes.split(",") if d]
+    results: dict[tuple[str, str], conv.FamilyResult] = {}
+
+    def left() -> float:
+        return a.budget - (time.perf_counter() - t0)
+
+    def one(fam: str, dt: str, variant: str) -> None:
+        res = results.setdefault((fam, dt), conv.FamilyResult(fam, dt, a.size, a.steps, a.batch, a.seq, where))
+        if variant != "unpatched" and "unpatched" not in res.runs:
+            return
+        if left() < 8:
+            res.skipped[variant] = "not run: out of time"
+            return
+        try:
+            r = conv.run_variant(fam, variant, dt, a.device, data, eval_ids, a.size)
+        except Exception as e:           # reported in the table, never fatal
+            res.skipped[variant] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+            print(f"  {fam} {dt} {variant}: {res.skipped[variant]}", flush=True)
+            return
+        res.runs[variant] = r
+        if variant != "unpatched":
+            res.checks[variant] = conv.compare(res.runs["unpatched"], r, dt)
+        print(f"  {fam} {dt} {variant}: {r.seconds:.1f}s, final loss {r.losses[-1]:.4f} {r.note}", flush=True)
+
+    liger_ok = not a.no_liger
+    if liger_ok:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError as e:
+            liger_ok = False
+            print(f"liger-kernel missing: {e}", flush=True)
+    for dt in dtypes:                   # every family in bf16 first: what a short budget cuts is fp32
+        for fam in families:
+            for v in ("unpatched", "patchdsl") + (("liger",) if liger_ok else ()):
+                one(fam, dt, v)         # (Liger last: its process-wide patches are reverted after its run)
+            if not liger_ok:
+                results[(fam, dt)].skipped.setdefault("liger", "not run: liger-kernel is not installed")
+    blocks = [r.table() for r in results.values()]
+    text = (f"convergence ({a.size} models, {a.steps} steps of {a.batch} x {a.seq}, AdamW lr {conv.LR}, text: "
+            f"{where.split(':')[0]}); max |err| against the unpatched run, ok = within Liger's tolerances\n"
+            + "\n".join(blocks))
+    (out / "convergence.txt").write_text(text + "\n")
+    (out / "convergence.json").write_text(json.dumps({
+        "size": a.size, "steps": a.steps, "batch": a.batch, "seq": a.seq, "device": a.device, "text": where,
+        "results": [r.to_json() for r in results.values()]}, indent=1))
+    print(text)
+    judged = [r for r in results.values() if "patchdsl" in r.checks]
+    n_ok = sum(r.passed for r in judged)
+    lig = [r for r in results.values() if "liger" in r.checks]
+    lig_ok = sum(all(c.passed for c in r.checks["liger"]) for r in lig)
+    first = {f for (f, d), r in results.items() if d == dtypes[0] and "patchdsl" in r.checks}
+    ok = bool(judged) and n_ok == len(judged) and first == set(families)   # every family in the first dtype
+    missing = len(families) * len(dtypes) - len(judged)
+    print(f"convergence: {'PASS' if ok else 'FAIL'}: patchdsl {n_ok}/{len(judged)} (family, dtype) pairs within "
+          f"Liger's tolerances{f' ({missing} not run in the budget)' if missing else ''}; Liger itself "
+          f"{lig_ok}/{len(lig)} ({time.perf_counter() - t0:.0f}s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
