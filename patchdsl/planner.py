@@ -30,7 +30,7 @@ from .ops.attention_impl import KNOWN as KNOWN_ATTENTION
 from .ops.attention_impl import AttentionChoice, attention_problem, choose_attention
 from .ops.base import ModuleInfo
 from .ops.registry import get_op
-from .select import explain_misfits, explain_no_match, select_all
+from .select import dead_members, explain_dead_member, explain_misfits, explain_no_match, select_all
 from .syntax.ast import Spec
 from .syntax.errors import SpecError
 
@@ -206,6 +206,14 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
                 unmatched.append(f"{rule.span.short}: {rule.text}")
                 continue
             errors.append(explain_no_match(rule, op, index))
+            continue
+        dead = dead_members(rule, matches)
+        for sel, member in dead:
+            if rule.optional:
+                unmatched.append(f"{rule.span.short}: {member} (in {rule.text})")
+            else:
+                errors.append(explain_dead_member(rule, op, index, sel, member))
+        if dead and not rule.optional:
             continue
         for m in matches:
             st = state.get(m.info.path)
