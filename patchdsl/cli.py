@@ -23,7 +23,7 @@ from .syntax.errors import SpecError
 
 # Exit codes, the same for every command (docs/reliability.md, "Exit codes"):
 EXIT_OK = 0            # the command did what was asked
-EXIT_FAILED = 1        # verify: a comparison against the float64 reference failed
+EXIT_FAILED = 1        # verify / apply: a comparison against the float64 reference failed
 EXIT_BAD_INPUT = 2     # the input is unusable: spec, model, options, files, or a required site refused
 
 
@@ -302,6 +302,7 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
                       f"pass --full for the real sizes[/dim]")
     p = make_plan(sp, loaded.model, dtypes=(dtype,))
     print_plan(p, console)
+    parity = _apply_parity(p, loaded.model, dtype, w, seed, device)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as prog:
         kt = prog.add_task("generating kernels", total=len(p.kernel_keys()))
@@ -351,16 +352,44 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, json_ou
     totals = count_totals(live, present)
     console.print(f"patched {len(handle.patched)} site(s), refused {len(handle.refused)}; "
                   + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in totals))
+    mismatch = [i + 1 for i, (a, b) in enumerate(zip(ref.losses, pat.losses)) if math.isfinite(a) != math.isfinite(b)]
+    if mismatch:
+        parity["passed"] = False
+        parity["verdict"] += (f"; the two runs disagree on finiteness at step(s) {', '.join(map(str, mismatch[:10]))} "
+                              f"(one loss finite, the other not)")
+    console.print(f"parity: {'[green]passed[/green]' if parity['passed'] else '[red]FAILED[/red]'} -- "
+                  f"{parity['verdict']}", highlight=False)
     if json_out:
         Path(json_out).write_text(json.dumps({
             "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny,
             "workload": {"steps": w.steps, "batch": w.batch, "seq": w.seq, "lr": w.lr, "seed": w.seed},
             "unpatched": ref.to_json(), "patched": pat.to_json(),
             "patched_sites": len(handle.patched), "refused": [str(r) for r in handle.refused],
-            "totals": [{"name": n, "patched": a, "present": b} for n, a, b in totals]}, indent=2))
+            "totals": [{"name": n, "patched": a, "present": b} for n, a, b in totals],
+            "parity": parity}, indent=2, default=str))
     handle.undo()
     if handle.refused_required:
         sys.exit(EXIT_BAD_INPUT)
+    if not parity["passed"]:
+        sys.exit(EXIT_FAILED)
+
+
+def _apply_parity(p, model, dtype: str, w, seed: int, device: str) -> dict:
+    """apply's verdict: verify's check (forward values and gradients of every patched site against a
+    float64 reference, verify's tolerances) on the model in hand before training, at batch
+    min(batch, 2) x min(seq, 16).  The loss columns apply prints are for reading; this decides."""
+    from .parity import verify as run_verify
+
+    b, q = min(w.batch, 2), min(w.seq, 16)
+    where = f"patchdsl verify's check on this model (batch {b} x {q}, {dtype})"
+    try:
+        report = run_verify(p, model, dtype=dtype, batch=b, seq=q, seed=seed, device=device)
+    except Exception as e:          # a verdict that cannot be had is no pass
+        msg = str(e).splitlines()[0][:300] if str(e) else ""
+        return {"passed": False, "verdict": f"{where} could not run ({type(e).__name__}: {msg}); "
+                                           f"run `patchdsl verify` for the details", "checks": []}
+    return {"passed": bool(report.passed), "verdict": f"{where}: {report.verdict}",
+            "failed_sites": report.failed_sites()}
 
 
 # ---------------------------------------------------------------- verify
