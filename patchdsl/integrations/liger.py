@@ -77,10 +77,10 @@ def check_liger_config(config: Any, where: str = "liger_kernel_config") -> dict[
     for k, v in config.items():
         if k not in LIGER_KEYS:
             dym = did_you_mean(str(k), LIGER_KEYS)
-            raise LigerConfigError(f"unknown {where} key '{k}' (Liger would drop it silently)",
+            raise LigerConfigError(f"unknown {where} key '{k!s:.80}' (Liger would drop it silently)",
                                    hint=(dym + " " if dym else "") + f"allowed keys: {', '.join(LIGER_KEYS)}")
         if not isinstance(v, bool):
-            raise LigerConfigError(f"{where} key '{k}' must be true or false, got {v!r}")
+            raise LigerConfigError(f"{where} key '{k!s:.80}' must be true or false, got {v!r:.80}")
         out[str(k)] = v
     return out
 
@@ -110,14 +110,14 @@ def parse_liger_argument(text: str) -> tuple[bool, dict[str, bool] | None]:
     if isinstance(value, Mapping) and ("use_liger_kernel" in value or "liger_kernel_config" in value):
         use = value.get("use_liger_kernel", False)
         if not isinstance(use, bool):
-            raise LigerConfigError(f"{src}: use_liger_kernel must be true or false, got {use!r}")
+            raise LigerConfigError(f"{src}: use_liger_kernel must be true or false, got {use!r:.80}")
         cfg = value.get("liger_kernel_config")
         if isinstance(cfg, str):          # TrainingArguments accepts a JSON string here too
             cfg = _json(cfg, f"{src}: liger_kernel_config")
         return use, check_liger_config(cfg) if cfg is not None else None
     if isinstance(value, Mapping):
         return True, check_liger_config(value)
-    raise LigerConfigError(f"{src} must be a JSON object of Liger keys (or true for Liger's defaults), got {value!r}",
+    raise LigerConfigError(f"{src} must be a JSON object of Liger keys (or true for Liger's defaults), got {value!r:.80}",
                            hint=f"e.g. --liger '{{\"rope\": true, \"rms_norm\": true}}'; keys: {', '.join(LIGER_KEYS)}")
 
 
