@@ -450,7 +450,18 @@ def model_checker(model: Any) -> Callable[[Any, str, str, ModuleInfo, Mapping[st
 
 # ---------------------------------------------------------------------------------- plan files
 class PlanError(ValueError):
-    """A plan file that is not a valid plan for this version of patchdsl (the message says where)."""
+    """A plan file that is not a valid plan for this version of patchdsl (the message says where).
+
+    The message is one line of at most MAX_MESSAGE characters: a value from the file that it quotes
+    cannot start a new line of output or flood it."""
+
+    MAX_MESSAGE = 1200
+
+    def __init__(self, message: str = ""):
+        text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(message))
+        if len(text) > self.MAX_MESSAGE:
+            text = text[:self.MAX_MESSAGE - 30] + f"... ({len(text):,} characters)"
+        super().__init__(text)
 
 
 _DTYPES = ("fp32", "bf16", "fp16")
