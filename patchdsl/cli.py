@@ -201,6 +201,14 @@ def plan(spec: str, model: str, dtype: str | None, target: str | None, as_json: 
         click.echo(p.dumps())
     else:
         print_plan(p)
+    # as apply and verify: a site the spec asks for (its rule is not `optional`) that the model
+    # refuses is bad input, exit 2; the plan above still says what would be patched and why not
+    required = [s for s in p.refused_sites if not s.optional]
+    if required:
+        click.echo(f"error: {len(required)} site(s) the spec asks for are refused by the model "
+                   f"(first: {required[0].path or '<model>'}: {required[0].refused}); start the rule with "
+                   f"'optional' to accept that", err=True)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 # ---------------------------------------------------------------- codegen
