@@ -36,6 +36,7 @@ from patchdsl.runtime import PatchError, apply
 from patchdsl.syntax import SpecError, parse_spec
 
 from .families import tiny_model
+from .kernels.helpers import DEVICE
 
 ALARM_S = 60
 
@@ -449,6 +450,8 @@ CLI_CASES = [
     (["plan", "llama", "--model", "{cfg_kv}"], 2, r"num_key_value_heads|heads"),
     (["plan", "llama", "--model", "{cfg_theta_nan}"], 2, r"rope_theta"),
     (["plan", "llama", "--model", "{cfg_theta_neg}"], 2, r"rope_theta"),
+    (["plan", "llama", "--model", "{cfg_head_dim}"], 2, r"head_dim"),
+    (["plan", "llama", "--model", "{cfg_vocab}"], 2, r"vocab_size"),
     (["translate", "--liger", "@{zero}", "--model", "{cfg_ok}"], 2, r"device"),
     (["translate", "--liger", "@{fifo}", "--model", "{cfg_ok}"], 2, r"FIFO"),
     (["translate", "--liger", "@{deep_json}", "--model", "{cfg_ok}"], 2, r"nests deeper"),
@@ -474,7 +477,9 @@ def test_hostile_cli_arguments_exit_2_with_a_message(argv, code, message, hostil
                 cfg_theta_nan=_cfg(tmp_path, "nan", rope_theta=float("nan"),
                                    rope_parameters={"rope_type": "default", "rope_theta": float("nan")}),
                 cfg_theta_neg=_cfg(tmp_path, "neg", rope_theta=-1.0,
-                                   rope_parameters={"rope_type": "default", "rope_theta": -1.0}))
+                                   rope_parameters={"rope_type": "default", "rope_theta": -1.0}),
+                cfg_head_dim=_cfg(tmp_path, "hd", head_dim=4096, hidden_size=16384),
+                cfg_vocab=_cfg(tmp_path, "vocab", vocab_size=2 ** 31 - 1))
     args = [a.format(**subs) if "{" in a and len(a) < 1000 else a for a in argv]
     with no_hang():
         r = CliRunner().invoke(main, args)
@@ -615,10 +620,35 @@ def test_apply_gives_a_parity_verdict_and_exit_code(rule, code, tmp_path):
     spec.write_text(rule + "\n")
     out = tmp_path / "r.json"
     r = CliRunner().invoke(main, ["apply", str(spec), "--model", _cfg(tmp_path, "ok"), "--steps", "1",
-                                  "--device", "cpu", "--json", str(out)])
+                                  "--device", DEVICE, "--json", str(out)])
     assert r.exit_code == code, r.output[-3000:]
     verdict = json.loads(out.read_text())["parity"]
     assert verdict["passed"] is (code == 0)
     assert ("parity: passed" if code == 0 else "parity: FAILED") in r.output
     if code:
         assert "model.norm" in verdict["failed_sites"]
+
+
+def test_load_spec_with_a_long_name_or_text_is_a_spec_error():
+    from patchdsl.syntax import load_spec
+
+    for arg in ["n" * 300 + ".kpatch", "/tmp/" + "d" * 300 + "/x.kpatch", "x" * 5000]:
+        with no_hang(), pytest.raises(SpecError) as e:
+            load_spec(arg)
+        one_line(str(e.value).splitlines()[0])
+
+
+@pytest.mark.slow
+def test_verify_of_a_moe_model_runs_its_float64_reference():
+    """transformers' grouped_mm takes no float64: the reference computes the experts eagerly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def moe():
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model("qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   vocab_size=160, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2)
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+
+    r = patchdsl.verify("model.norm: RMSNorm -> fused_rmsnorm\n", moe, dtype="fp32", batch=1, seq=8, device=DEVICE)
+    assert r.passed, r.verdict
