@@ -25,7 +25,8 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): label_check (90 s; linear CE with the label check on and off), sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
+# By name only (not in "all"): label_check (90 s; linear CE with the label check on and off, chunked and fused modes,
+# 16384x1024x151936 bf16, patchdsl rows, then bench/label_check_verdict.py's line), sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
 # host_breakdown (80 s; bench/host_breakdown.py, plus --root .old and a comparison when .old/ is carried): bench ops
 # --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
 # part, patchdsl vs Liger per family), host time fast vs normal launch, bench/kern_sweep.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
@@ -237,10 +238,18 @@ for part in $PARTS; do
           --json "$WORK/ops_host.json" --no-png --budget $(( l2 - 8 ))
       fi
       ;;
-    label_check)   # the label range check's cost (issue 22): linear CE with check_labels on and off, same run
-      run_part label_check "$lim" python3 -m patchdsl.cli bench ops --no-sweep --no-png --impls patchdsl,liger \
+    label_check)   # the label range check's cost (issue 22): linear CE with check_labels on and off, same run,
+      # patchdsl rows only (the comparison is patchdsl with itself), then a one-line verdict per mode
+      run_part label_check "$lim" python3 -m patchdsl.cli bench ops --no-sweep --no-png --impls patchdsl \
         --ops linear_cross_entropy,linear_cross_entropy_nocheck,linear_cross_entropy_fused,linear_cross_entropy_fused_nocheck \
         --json "$WORK/ops_label_check.json" --budget $(( lim - 10 ))
+      if [ -f "$WORK/ops_label_check.json" ]; then
+        python3 bench/label_check_verdict.py "$WORK/ops_label_check.json" 2>&1 | tee -a "$LOG" >>"$WORK/summary.parts"
+      elif [ "${DRY:-0}" = 1 ]; then
+        echo "DRY: python3 bench/label_check_verdict.py $WORK/ops_label_check.json" >>"$LOG"
+      else
+        say "label_check: FAIL: no ops_label_check.json (see bench.log)"; status+=("label_check: no JSON")
+      fi
       ;;
     e2e_specs)   # which spec to ship: the add+norm fusion against the shipped spec, same run
       e2e e2e_specs "$lim" --model Qwen/Qwen3-0.6B --batch 16 --seq 2048 --steps "$STEPS" --warmup 2 \
