@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -25,6 +26,7 @@ from .syntax.errors import SpecError
 EXIT_OK = 0            # the command did what was asked
 EXIT_FAILED = 1        # verify / apply: a comparison against the float64 reference failed
 EXIT_BAD_INPUT = 2     # the input is unusable: spec, model, options, files, or a required site refused
+EXIT_INTERNAL = 3      # an unexpected exception: a bug of patchdsl (PATCHDSL_DEBUG=1 re-raises it)
 
 
 class UsageFailure(Exception):
@@ -66,7 +68,21 @@ class _Group(click.Group):
 
             if isinstance(e, (CacheError, CodegenError, PlanError, PatchError)):
                 _fail(f"error: {e}")
-            raise
+            if isinstance(e, (click.ClickException, click.exceptions.Exit, click.exceptions.Abort)):
+                raise
+            if os.environ.get("PATCHDSL_DEBUG"):
+                raise
+            # anything else is a bug of patchdsl, not the user's input or a failed verification:
+            # its own exit status, one line that says where (PATCHDSL_DEBUG=1: the traceback)
+            import traceback
+
+            tb = traceback.extract_tb(e.__traceback__)
+            where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+            msg = (str(e).splitlines() or [""])[0][:300]
+            click.echo(f"internal error: {type(e).__name__}{where}: {msg}\n"
+                       f"  this is a bug in patchdsl (not your input): please report it with the command; "
+                       f"PATCHDSL_DEBUG=1 shows the traceback", err=True)
+            sys.exit(EXIT_INTERNAL)
 
 
 @click.group(cls=_Group)
@@ -76,7 +92,7 @@ def main() -> None:
 
     SPEC, wherever a command takes one, is a path to a .kpatch file or the name of a shipped spec
     (qwen3, llama, mistral, qwen2, gemma3, phi3).  Exit status: 0 success, 1 a verification failed,
-    2 bad input (spec, model, options).
+    2 bad input (spec, model, options), 3 an internal error (a bug of patchdsl).
     """
 
 

@@ -652,3 +652,20 @@ def test_verify_of_a_moe_model_runs_its_float64_reference():
 
     r = patchdsl.verify("model.norm: RMSNorm -> fused_rmsnorm\n", moe, dtype="fp32", batch=1, seq=8, device=DEVICE)
     assert r.passed, r.verdict
+
+
+def test_an_unexpected_exception_is_exit_3_with_one_line_not_a_traceback(monkeypatch):
+    """Exit 1 means a failed verification and 2 bad input; a bug of patchdsl is neither."""
+    import patchdsl.check as check_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(check_mod, "check_loaded", boom)
+    r = CliRunner().invoke(main, ["check", "qwen3"])
+    assert r.exit_code == 3, r.output
+    assert "internal error: RuntimeError at test_hostile.py:" in r.output and "second line" not in r.output
+    one_line(r.output)
+    monkeypatch.setenv("PATCHDSL_DEBUG", "1")
+    r = CliRunner().invoke(main, ["check", "qwen3"])
+    assert isinstance(r.exception, RuntimeError)
