@@ -94,12 +94,14 @@ def _tiny_moe():
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
 
 
-_MODELS: dict[str, object] = {}
+_MODELS: dict[str, tuple] = {}
 
 
 def pool_model(name):
+    """(model, its index, its checker), built once."""
     if name not in _MODELS:
-        _MODELS[name] = POOL[name]()
+        m = POOL[name]()
+        _MODELS[name] = (m, build_index(m), model_checker(m))
     return _MODELS[name]
 
 
@@ -120,9 +122,11 @@ def example_plan(op_name: str, repo):
     op = get_op(op_name)
     kinds = [k for k in op.kinds if op_name != "hub" or k == "RMSNorm"]
     target = "cuda" if op.external else None
+    from patchdsl.codegen.env import target as detect_target
+    from patchdsl.planner import check_available
+
     for mname in POOL:
-        model = pool_model(mname)
-        index = build_index(model)
+        model, index, checker = pool_model(mname)
         seen = set()
         for info in index:
             for kind in kinds:
@@ -131,14 +135,15 @@ def example_plan(op_name: str, repo):
                     continue
                 seen.add(leaf)
                 rule = f"dtype fp32\n{info.path or '*'}: {kind} -> {op_name}{op_args(op_name, repo)}\n"
-                try:
-                    p = plan(rule, model)            # the whole road, availability and pins included
+                try:                                 # as plan(): availability and pins included
+                    checked = check_spec(parse_spec(rule))
+                    p = check_available(checked, plan_index(checked, index, target=detect_target(),
+                                                            check=checker), type(model))
                 except SpecError:
                     if not op.external:
                         continue
                     try:                             # an external op this machine cannot run (Liger)
-                        p = plan_index(check_spec(parse_spec(rule)), index, target=target,
-                                       check=model_checker(model))
+                        p = plan_index(check_spec(parse_spec(rule)), index, target=target, check=checker)
                     except SpecError:
                         continue
                 if p.sites and not p.sites[0].refused:
@@ -390,8 +395,9 @@ def test_a_liger_site_of_a_plan_file_where_liger_cannot_run_is_a_clear_error():
 
 
 # ====================================================================== CLI file arguments
-@pytest.fixture
-def hostile_files(tmp_path):
+@pytest.fixture(scope="module")
+def hostile_files(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("hostile")
     f = {}
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
