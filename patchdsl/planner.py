@@ -308,7 +308,8 @@ def build_site(op: Any, path: str, cls: str, host: str, info: ModuleInfo, flags:
                 validate_key(key)
         except CodegenError as e:
             raise SiteError(str(e)) from None
-        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError, IndexError) as e:
+            # facts of the wrong shape (a plan file's `qk_norm: true` where an object belongs)
             raise SiteError(f"the module's facts do not fit {op.name} ({type(e).__name__}: {str(e)[:120]})") from None
         keys.append(key)
     source = op.source(keys[0].param_dict) if op.external and keys else ""

@@ -118,14 +118,16 @@ def op_args(op: str, repo) -> str:
 
 
 def example_plan(op_name: str, repo):
-    """(model name, plan) with one non-refused site of ``op_name``, or None."""
+    """(model name, plan) with one site of ``op_name`` (one the model does not refuse when there
+    is one; else a refused one: a plan file's site is built and checked the same way), or None."""
     op = get_op(op_name)
     kinds = [k for k in op.kinds if op_name != "hub" or k == "RMSNorm"]
     target = "cuda" if op.external else None
     from patchdsl.codegen.env import target as detect_target
     from patchdsl.planner import check_available
 
-    for mname in POOL:
+    fallback = None
+    for mname, dtype in [(m, d) for d in ("fp32", "bf16") for m in POOL]:
         model, index, checker = pool_model(mname)
         seen = set()
         for info in index:
@@ -134,7 +136,7 @@ def example_plan(op_name: str, repo):
                 if kind not in info.kinds or leaf in seen:
                     continue
                 seen.add(leaf)
-                rule = f"dtype fp32\n{info.path or '*'}: {kind} -> {op_name}{op_args(op_name, repo)}\n"
+                rule = f"dtype {dtype}\n{info.path or '*'}: {kind} -> {op_name}{op_args(op_name, repo)}\n"
                 try:                                 # as plan(): availability and pins included
                     checked = check_spec(parse_spec(rule))
                     p = check_available(checked, plan_index(checked, index, target=detect_target(),
@@ -148,7 +150,9 @@ def example_plan(op_name: str, repo):
                         continue
                 if p.sites and not p.sites[0].refused:
                     return mname, p
-    return None
+                if p.sites and fallback is None:
+                    fallback = (mname, p)
+    return fallback
 
 
 OPS = sorted(ops())
@@ -171,15 +175,19 @@ HOSTILE_VALUES = [None, True, -1, 0, 2 ** 70, -2 ** 70, 1e308, 0.5, "", "auto", 
                   "__import__('os').system('true')", "a" * 5000, [], [1], {}, {"a": 1}]
 
 
-def _site_paths(site: dict):
+def _plan_paths(d: dict, idx: int):
+    """Paths (from the plan's root) of every value of site ``idx`` and of its module's facts."""
+    site = d["sites"][idx]
     for name in site.get("flags", {}):
-        yield ("flags", name)
+        yield ("sites", idx, "flags", name)
     for i, k in enumerate(site.get("kernels", [])):
         for name in k.get("params", {}):
-            yield ("kernels", i, "params", name)
-    yield ("source",)
-    yield ("op",)
-    yield ("host",)
+            yield ("sites", idx, "kernels", i, "params", name)
+    for name in ("source", "op", "host", "class", "covers"):
+        yield ("sites", idx, name)
+    for kind, facts in d["modules"][site["path"]]["kinds"].items():
+        for name in facts:
+            yield ("modules", site["path"], "kinds", kind, name)
 
 
 def _put(d, path, value):
@@ -192,19 +200,20 @@ def _put(d, path, value):
 @pytest.mark.slow
 @pytest.mark.parametrize("op_name", OPS)
 def test_plan_file_values_replaced_load_as_derived_or_fail_cleanly(op_name, examples, tmp_path, monkeypatch):
-    """Every flag, kernel parameter, the source, op and host of one site of each op, replaced by
-    each hostile value: the plan file loads with its site exactly as build_site derives it (the
-    recorded source never read) or fails with a one-line PlanError; nothing else, nothing written."""
+    """Every flag, kernel parameter, the source, op, host, class and covers of one site of each op,
+    and every fact of its module, replaced by each hostile value: the plan file loads with its site
+    exactly as build_site derives it (the recorded source never read) or fails with a one-line
+    PlanError; nothing else, nothing written."""
     monkeypatch.setenv("PATCHDSL_CACHE", str(tmp_path / "cache"))
     _, p = examples[op_name]
     base = p.to_json()
     assert PatchPlan.from_json(base).sites == p.sites          # the unmodified plan loads as made
     idx = next(i for i, s in enumerate(base["sites"]) if s["op"] == op_name)
     outcomes = {"loaded": 0, "refused": 0}
-    for path in _site_paths(base["sites"][idx]):
+    for path in _plan_paths(base, idx):
         for v in HOSTILE_VALUES:
             d = copy.deepcopy(base)
-            _put(d["sites"][idx], path, v)
+            _put(d, path, v)
             try:
                 q = PatchPlan.from_json(d)
             except PlanError as e:
@@ -216,7 +225,7 @@ def test_plan_file_values_replaced_load_as_derived_or_fail_cleanly(op_name, exam
             op = get_op(s.op)
             if op.external:           # the source is derived from the key, whatever the file said
                 assert s.source == op.source(s.keys[0].param_dict), (path, v)
-            if path == ("source",):
+            if path[-1] == "source":
                 assert s.keys == p.sites[idx].keys
             outcomes["loaded"] += 1
     assert outcomes["refused"] > 0
@@ -675,3 +684,75 @@ def test_an_unexpected_exception_is_exit_3_with_one_line_not_a_traceback(monkeyp
     monkeypatch.setenv("PATCHDSL_DEBUG", "1")
     r = CliRunner().invoke(main, ["check", "qwen3"])
     assert isinstance(r.exception, RuntimeError)
+
+
+# ====================================================================== files.py, the one reader
+def _files_cases(tmp):
+    big = tmp / "big.json"
+    with open(big, "wb") as fh:
+        fh.truncate(5 * 1024 * 1024)            # sparse: 5 MiB of NULs, over the 1 MiB mapping limit
+    fifo = tmp / "f.fifo"
+    os.mkfifo(fifo)
+    link = tmp / "link.json"
+    (tmp / "ok.json").write_text('{"a": [1, 2]}')
+    link.symlink_to(tmp / "ok.json")
+    (tmp / "bom.json").write_bytes(b'\xef\xbb\xbf{"a": 1}')
+    (tmp / "bad.json").write_bytes(b'{"a": 1,}')
+    (tmp / "deep.yaml").write_text("- " * 65 + "x\n")
+    (tmp / "alias.yaml").write_text("a: &x 1\nb: *x\n")
+    (tmp / "bigint.yaml").write_text("a: " + "9" * 65 + "\n")
+    (tmp / "ok.yaml").write_text("a: [1, 2]\nb: {c: true}\n")
+    (tmp / "latin1.json").write_bytes('{"a": "\u00e9"}'.encode("latin-1"))
+    return [
+        # (path, kind, expected: a value or a FileReadError reason)
+        (tmp / "ok.json", "mapping", {"a": [1, 2]}),
+        (link, "mapping", {"a": [1, 2]}),                       # a link to a regular file is read
+        (tmp / "bom.json", "mapping", {"a": 1}),
+        (tmp / "ok.yaml", "liger", {"a": [1, 2], "b": {"c": True}}),
+        (tmp / "missing.json", "mapping", "missing"),
+        (tmp, "mapping", "not-regular"),
+        (fifo, "mapping", "not-regular"),
+        ("/dev/zero", "mapping", "not-regular"),
+        ("/dev/null", "mapping", "not-regular"),
+        (big, "mapping", "too-large"),
+        (tmp / ("n" * 300 + ".json"), "mapping", "os"),
+        (str(tmp / "a\0b.json"), "mapping", "os"),
+        (tmp / "latin1.json", "mapping", "not-utf8"),
+        (tmp / "bad.json", "mapping", "syntax"),
+        (tmp / "deep.yaml", "liger", "too-deep"),
+        (tmp / "alias.yaml", "liger", "syntax"),
+        (tmp / "bigint.yaml", "liger", "big-int"),
+    ]
+
+
+def test_files_reader_table(tmp_path):
+    from patchdsl.files import FileReadError, read_data
+
+    for path, kind, expected in _files_cases(tmp_path):
+        with no_hang(10):
+            if not isinstance(expected, str):
+                assert read_data(path, kind) == expected, path
+                continue
+            with pytest.raises(FileReadError) as e:
+                read_data(path, kind)
+        assert e.value.reason == expected, (str(path)[:80], e.value.reason, str(e.value))
+        one_line(str(e.value))
+        assert len(str(e.value)) < 400
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("[" * 65 + "]" * 65, "too-deep"),
+    ('{"a": ' + "1" * 65 + "}", "big-int"),
+    ('{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}', None),   # in a string
+    ('{"a": NaN}', None),
+    ("[1,]", "syntax"),
+])
+def test_parse_json_bounds(text, reason):
+    from patchdsl.files import FileReadError, parse_json
+
+    if reason is None:
+        parse_json(text, "t")
+        return
+    with pytest.raises(FileReadError) as e:
+        parse_json(text, "t")
+    assert e.value.reason == reason
