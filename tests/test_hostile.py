@@ -756,3 +756,23 @@ def test_parse_json_bounds(text, reason):
     with pytest.raises(FileReadError) as e:
         parse_json(text, "t")
     assert e.value.reason == reason
+
+
+def test_plan_file_arguments_of_apply_are_read_as_files(hostile_files, tmp_path):
+    """apply(PATH, model): a plan file path (*.json) through files.py, anything else as a spec."""
+    fifo_json = tmp_path / "p.json"
+    os.mkfifo(fifo_json)
+    deep = tmp_path / "deep_plan.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    cases = [
+        (str(fifo_json), PlanError, r"FIFO"),
+        (str(tmp_path / "missing.json"), PlanError, r"no such file"),
+        (str(deep), PlanError, r"nests deeper|nested too deeply"),
+        ("/dev/zero", SpecError, r"not a regular file"),
+        (hostile_files["dir"], SpecError, r"folder"),
+    ]
+    for arg, exc, message in cases:
+        with no_hang(10), pytest.raises(exc, match=message):
+            apply(arg, tiny_model("qwen3"))
+        with no_hang(10), pytest.raises(PlanError):
+            PatchPlan.load(arg)
