@@ -63,8 +63,8 @@ def one_line(msg: str) -> None:
 # ====================================================================== plan files, every op
 # For every registered op, a plan with one site of it, made by the planner on a tiny model: the
 # first module of a kind the op replaces, on the first model that has one, where the plan keeps
-# the site (not refused).  External ops are planned for cuda without the availability check
-# (plan files meet that check at apply).  An op added later is found here by its kinds; one that
+# the site (not refused).  External ops this machine cannot run (Liger on the CPU) are planned
+# without the availability check (plan files meet that check at apply).  An op added later is found here by its kinds; one that
 # needs arguments gets them from OP_ARGS (a new external op must add its line: the test says so).
 POOL = {
     "qwen3": lambda: tiny_model("qwen3"),
@@ -122,7 +122,6 @@ def example_plan(op_name: str, repo):
     is one; else a refused one: a plan file's site is built and checked the same way), or None."""
     op = get_op(op_name)
     kinds = [k for k in op.kinds if op_name != "hub" or k == "RMSNorm"]
-    target = "cuda" if op.external else None
     from patchdsl.codegen.env import target as detect_target
     from patchdsl.planner import check_available
 
@@ -145,7 +144,7 @@ def example_plan(op_name: str, repo):
                     if not op.external:
                         continue
                     try:                             # an external op this machine cannot run (Liger)
-                        p = plan_index(check_spec(parse_spec(rule)), index, target=target, check=checker)
+                        p = plan_index(check_spec(parse_spec(rule)), index, target=detect_target(), check=checker)
                     except SpecError:
                         continue
                 if p.sites and not p.sites[0].refused:
@@ -230,6 +229,26 @@ def test_plan_file_values_replaced_load_as_derived_or_fail_cleanly(op_name, exam
             outcomes["loaded"] += 1
     assert outcomes["refused"] > 0
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("op_name", OPS)
+def test_every_ops_plan_file_site_meets_the_availability_check_at_apply(op_name, examples):
+    """apply of each op's example plan file: an external kernel this machine cannot have is a
+    PlanError naming the site before anything is patched; otherwise the site is patched or refused
+    with a reason (never another exception)."""
+    mname, p = examples[op_name]
+    model = copy.deepcopy(pool_model(mname)[0])
+    q = PatchPlan.from_json(p.to_json())
+    site = next(s for s in q.sites if s.op == op_name)
+    op = get_op(op_name)
+    why = op.unavailable(site.keys[0].param_dict) if op.external and site.keys else None
+    if why:
+        with pytest.raises(PlanError, match=rf"{re.escape(site.path)}.*cannot be used here"):
+            apply(q, model, strict=False)
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        return
+    with apply(q, model, strict=False) as h:
+        assert site.path in h.patched or any(r.path == site.path and r.reason for r in h.refused)
 
 
 # ====================================================================== plan files: Hub sites
