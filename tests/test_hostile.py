@@ -633,7 +633,7 @@ def test_a_flag_past_its_bound_is_a_located_error_at_check(op_name, flag, bound)
 
     spec = get_op(op_name).flag(flag)
     assert spec.coerce(int(bound) if spec.type == "int" else bound) is not None
-    over = int(bound) + 1 if spec.type == "int" else bound * 2
+    over = int(bound) + 1 if spec.type == "int" else (bound * 2 if bound > 0 else bound + 1.0)
     with pytest.raises(FlagTypeError, match=f"must be <= "):
         spec.coerce(over)
     if op_name == "hub" or op_name.startswith("liger."):
