@@ -445,7 +445,8 @@ def hostile_files(tmp_path_factory):
     f["nonutf8"] = str(tmp_path / "bad.bin")
     (tmp_path / "bad.kpatch").write_bytes(b"model.norm: RMSNorm -> fused_rmsnorm(eps=1e-6) # \xff\n")
     f["nonutf8_spec"] = str(tmp_path / "bad.kpatch")
-    (tmp_path / "big.json").write_bytes(b" " * (70 * 1024 * 1024))
+    with open(tmp_path / "big.json", "wb") as fh:
+        fh.truncate(70 * 1024 * 1024)           # sparse: 70 MB that cost no disk
     f["huge"] = str(tmp_path / "big.json")
     f["longname"] = str(tmp_path / ("n" * 300 + ".kpatch"))
     cfgdir = tmp_path / "cfgfifo"
