@@ -32,7 +32,8 @@
 # models in bf16, batch 1 x 512, 1 step, built on the GPU, streamed float64 reference; time and peak memory per model),
 # convergence (120 s; bench/convergence.py: Liger-style 32-step convergence test of mini Llama / Qwen3 / Gemma 3 on
 # real text, patchdsl vs unpatched vs Liger),
-# label_check (90 s; linear CE with the label check on and off), sweep (300 s; bench ops
+# label_check (90 s; linear CE with the label check on and off, chunked and fused modes,
+# 16384x1024x151936 bf16, patchdsl rows, then bench/label_check_verdict.py's line), sweep (300 s; bench ops
 # --sweep-only), specialise (120 s; bench specialise), host_breakdown (80 s; bench/host_breakdown.py, plus --root .old
 # and a comparison when .old/ is carried); SWEEP_ARGS / SPEC_ARGS add arguments.  The one-off investigations of the
 # first rounds (kernel variant sweeps, PTX registers, profiler tables, linear CE tiles, graph profiles, host probes)
@@ -252,10 +253,18 @@ for part in $PARTS; do
       echo "${v:-compile_perf verdict: none}" >>"$WORK/summary.parts"
       status+=("$(echo "${v:-compile_perf: no verdict}" | tail -n 1)")
       ;;
-    label_check)   # the label range check's cost (issue 22): linear CE with check_labels on and off, same run
-      run_part label_check "$lim" python3 -m patchdsl.cli bench ops --no-sweep --no-png --impls patchdsl,liger \
+    label_check)   # the label range check's cost (issue 22): linear CE with check_labels on and off, same run,
+      # patchdsl rows only (the comparison is patchdsl with itself), then a one-line verdict per mode
+      run_part label_check "$lim" python3 -m patchdsl.cli bench ops --no-sweep --no-png --impls patchdsl \
         --ops linear_cross_entropy,linear_cross_entropy_nocheck,linear_cross_entropy_fused,linear_cross_entropy_fused_nocheck \
         --json-out "$WORK/ops_label_check.json" --budget $(( lim - 10 ))
+      if [ -f "$WORK/ops_label_check.json" ]; then
+        python3 bench/label_check_verdict.py "$WORK/ops_label_check.json" 2>&1 | tee -a "$LOG" >>"$WORK/summary.parts"
+      elif [ "${DRY:-0}" = 1 ]; then
+        echo "DRY: python3 bench/label_check_verdict.py $WORK/ops_label_check.json" >>"$LOG"
+      else
+        say "label_check: FAIL: no ops_label_check.json (see bench.log)"; status+=("label_check: no JSON")
+      fi
       ;;
     e2e_specs)   # which spec to ship: the add+norm fusion against the shipped spec, same run
       e2e e2e_specs "$lim" --model Qwen/Qwen3-0.6B --batch 16 --seq 2048 --steps "$STEPS" --warmup 2 \

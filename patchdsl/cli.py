@@ -24,8 +24,9 @@ from .syntax.errors import SpecError
 
 # Exit codes, the same for every command (docs/reliability.md, "Exit codes"):
 EXIT_OK = 0            # the command did what was asked
-EXIT_FAILED = 1        # verify: a comparison against the float64 reference failed
+EXIT_FAILED = 1        # verify / apply: a comparison against the float64 reference failed
 EXIT_BAD_INPUT = 2     # the input is unusable: spec, model, options, files, or a required site refused
+EXIT_INTERNAL = 3      # an unexpected exception: a bug of patchdsl (PATCHDSL_DEBUG=1 re-raises it)
 
 
 class UsageFailure(Exception):
@@ -103,7 +104,20 @@ class _Group(click.Group):
 
             if isinstance(e, (CacheError, CodegenError, PlanError, PatchError)):
                 fail(f"error: {e}", "input")
-            raise
+            if isinstance(e, (click.ClickException, click.exceptions.Exit, click.exceptions.Abort)):
+                raise
+            if os.environ.get("PATCHDSL_DEBUG"):
+                raise
+            # anything else is a bug of patchdsl, not the user's input or a failed verification:
+            # its own exit status, one line that says where (PATCHDSL_DEBUG=1: the traceback)
+            import traceback
+
+            tb = traceback.extract_tb(e.__traceback__)
+            where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+            msg = (str(e).splitlines() or [""])[0][:300]
+            fail(f"internal error: {type(e).__name__}{where}: {msg}\n"
+                 f"  this is a bug in patchdsl (not your input): please report it with the command; "
+                 f"PATCHDSL_DEBUG=1 shows the traceback", "internal", EXIT_INTERNAL)
 
 
 @click.group(cls=_Group)
@@ -115,7 +129,7 @@ def main() -> None:
     (qwen3, llama, mistral, qwen2, gemma3, phi3).  --json, wherever a command takes it, prints one
     JSON document on stdout (on an error too: {"ok": false, "exit_code": 2, "error": ...}).
     Exit status: 0 success, 1 a verification failed, 2 bad input (spec, model, options),
-    130 interrupted (Ctrl-C).
+    3 an internal error (a bug of patchdsl), 130 interrupted (Ctrl-C).
     """
 
 
@@ -233,6 +247,14 @@ def plan(spec: str, model: str, dtype: str | None, target: str | None, sites: bo
         click.echo(p.dumps())
     else:
         print_plan(p, sites=sites)
+    # as apply and verify: a site the spec asks for (its rule is not `optional`) that the model
+    # refuses is bad input, exit 2; the plan above still says what would be patched and why not
+    required = [s for s in p.refused_sites if not s.optional]
+    if required:
+        click.echo(f"error: {len(required)} site(s) the spec asks for are refused by the model "
+                   f"(first: {required[0].path or '<model>'}: {required[0].refused}); start the rule with "
+                   f"'optional' to accept that", err=True)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 # ---------------------------------------------------------------- codegen
@@ -353,6 +375,7 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
             f"pass --full for the real sizes")
     p = make_plan(sp, loaded.model, dtypes=(dtype,))
     print_plan(p, err=as_json)
+    parity = _apply_parity(p, loaded.model, dtype, w, seed, device)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as prog:
         kt = prog.add_task("generating kernels", total=len(p.kernel_keys()))
@@ -406,23 +429,49 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     fused = sum(len(s.covers) for s in live if not s.refused)
     say(f"patched {len(handle.patched)} site(s)" + (f" (+{fused} module(s) fused into them)" if fused else "")
         + f", refused {len(handle.refused)}; " + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in totals))
-    doc = {"ok": not handle.refused_required, "exit_code": EXIT_BAD_INPUT if handle.refused_required else EXIT_OK,
+    mismatch = [i + 1 for i, (a, b) in enumerate(zip(ref.losses, pat.losses)) if math.isfinite(a) != math.isfinite(b)]
+    if mismatch:
+        parity["passed"] = False
+        parity["verdict"] += (f"; the two runs disagree on finiteness at step(s) {', '.join(map(str, mismatch[:10]))} "
+                              f"(one loss finite, the other not)")
+    say(f"parity: {'passed' if parity['passed'] else 'FAILED'} -- {parity['verdict']}")
+    code = EXIT_BAD_INPUT if handle.refused_required else (EXIT_OK if parity["passed"] else EXIT_FAILED)
+    doc = {"ok": code == EXIT_OK, "exit_code": code,
            "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny,
            "workload": {"steps": w.steps, "warmup": w.warmup, "batch": w.batch, "seq": w.seq, "lr": w.lr, "seed": w.seed},
            "speed_measured": on_gpu,      # on the CPU tokens/s and step times are interpreter times: left out
            "unpatched": _run_json(ref, on_gpu), "patched": _run_json(pat, on_gpu),
            "patched_sites": len(handle.patched), "fused_modules": fused, "refused": [str(r) for r in handle.refused],
-           "totals": [{"name": n, "patched": a, "present": b} for n, a, b in totals]}
+           "totals": [{"name": n, "patched": a, "present": b} for n, a, b in totals],
+           "parity": parity}
     if as_json:
-        click.echo(json.dumps(doc, indent=2))
+        click.echo(json.dumps(doc, indent=2, default=str))
     if json_out:
         try:
-            Path(json_out).write_text(json.dumps(doc, indent=2))
+            Path(json_out).write_text(json.dumps(doc, indent=2, default=str))
         except OSError as e:
             raise UsageFailure(f"cannot write --json-out {files.show(json_out)}: {e.strerror or e}") from None
     handle.undo()
-    if handle.refused_required:
-        sys.exit(EXIT_BAD_INPUT)
+    if code != EXIT_OK:
+        sys.exit(code)
+
+
+def _apply_parity(p, model, dtype: str, w, seed: int, device: str) -> dict:
+    """apply's verdict: verify's check (forward values and gradients of every patched site against a
+    float64 reference, verify's tolerances) on the model in hand before training, at batch
+    min(batch, 2) x min(seq, 16).  The loss columns apply prints are for reading; this decides."""
+    from .parity import verify as run_verify
+
+    b, q = min(w.batch, 2), min(w.seq, 16)
+    where = f"patchdsl verify's check on this model (batch {b} x {q}, {dtype})"
+    try:
+        report = run_verify(p, model, dtype=dtype, batch=b, seq=q, seed=seed, device=device)
+    except Exception as e:          # a verdict that cannot be had is no pass
+        msg = str(e).splitlines()[0][:300] if str(e) else ""
+        return {"passed": False, "verdict": f"{where} could not run ({type(e).__name__}: {msg}); "
+                                           f"run `patchdsl verify` for the details", "checks": []}
+    return {"passed": bool(report.passed), "verdict": f"{where}: {report.verdict}",
+            "failed_sites": report.failed_sites()}
 
 
 def measured_steps(before: int, after: int, warmup: int) -> int:

@@ -209,7 +209,8 @@ def read_json(path: str | os.PathLike, kind: str, *, what: str = "file", max_dep
 # ---------------------------------------------------------------- YAML
 def parse_yaml(text: str, where: str, *, max_depth: int = MAX_DEPTH) -> Any:
     """``yaml.safe_load`` after a pass over PyYAML's event stream (its parser is iterative, only
-    the composer recurses) that bounds the nesting depth; integers are bounded as in JSON."""
+    the composer recurses) that bounds the nesting depth and refuses aliases (``*name``: shared
+    nodes that multiply on expansion); integers are bounded as in JSON."""
     import yaml
 
     depth = 0
@@ -223,6 +224,12 @@ def parse_yaml(text: str, where: str, *, max_depth: int = MAX_DEPTH) -> Any:
                                         "too-deep", where)
             elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 depth -= 1
+            elif isinstance(ev, yaml.AliasEvent):
+                # an alias shares a node: nine nested aliases of nine make 10**9 elements for the
+                # first repr or walk (the "billion laughs"); configs patchdsl reads need none
+                ln = ev.start_mark.line + 1 if ev.start_mark else 0
+                raise FileReadError(f"{where} uses a YAML alias (*{ev.anchor}, at line {ln}); patchdsl reads "
+                                    f"YAML without anchors and aliases: write the value out", "syntax", where)
             elif isinstance(ev, yaml.ScalarEvent) and ev.style is None and not ev.tag:
                 digits = ev.value.lstrip("+-").replace("_", "")
                 if len(digits) > MAX_INT_DIGITS and digits.isdigit():

@@ -30,7 +30,7 @@ from .ops.attention_impl import KNOWN as KNOWN_ATTENTION
 from .ops.attention_impl import AttentionChoice, attention_problem, choose_attention
 from .ops.base import ModuleInfo
 from .ops.registry import get_op
-from .select import explain_misfits, explain_no_match, select_all
+from .select import dead_members, explain_dead_member, explain_misfits, explain_no_match, select_all
 from .syntax.ast import Spec
 from .syntax.errors import SpecError
 
@@ -207,6 +207,14 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
                 continue
             errors.append(explain_no_match(rule, op, index))
             continue
+        dead = dead_members(rule, matches)
+        for sel, member in dead:
+            if rule.optional:
+                unmatched.append(f"{rule.span.short}: {member} (in {rule.text})")
+            else:
+                errors.append(explain_dead_member(rule, op, index, sel, member))
+        if dead and not rule.optional:
+            continue
         for m in matches:
             st = state.get(m.info.path)
             if st is None:
@@ -300,7 +308,8 @@ def build_site(op: Any, path: str, cls: str, host: str, info: ModuleInfo, flags:
                 validate_key(key)
         except CodegenError as e:
             raise SiteError(str(e)) from None
-        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError, IndexError) as e:
+            # facts of the wrong shape (a plan file's `qk_norm: true` where an object belongs)
             raise SiteError(f"the module's facts do not fit {op.name} ({type(e).__name__}: {str(e)[:120]})") from None
         keys.append(key)
     source = op.source(keys[0].param_dict) if op.external and keys else ""
@@ -446,7 +455,18 @@ def model_checker(model: Any) -> Callable[[Any, str, str, ModuleInfo, Mapping[st
 
 # ---------------------------------------------------------------------------------- plan files
 class PlanError(ValueError):
-    """A plan file that is not a valid plan for this version of patchdsl (the message says where)."""
+    """A plan file that is not a valid plan for this version of patchdsl (the message says where).
+
+    The message is one line of at most MAX_MESSAGE characters: a value from the file that it quotes
+    cannot start a new line of output or flood it."""
+
+    MAX_MESSAGE = 1200
+
+    def __init__(self, message: str = ""):
+        text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(message))
+        if len(text) > self.MAX_MESSAGE:
+            text = text[:self.MAX_MESSAGE - 30] + f"... ({len(text):,} characters)"
+        super().__init__(text)
 
 
 _DTYPES = ("fp32", "bf16", "fp16")

@@ -9,7 +9,7 @@ from .ops.base import ModuleInfo, Op
 from .ops.registry import KIND_NAMES
 from .syntax.ast import Rule
 from .syntax.errors import SpecError, did_you_mean
-from .syntax.selectors import class_glob_regex, compile_selector
+from .syntax.selectors import _RANGE, _split_top, class_glob_regex, compile_selector
 
 
 @dataclass(frozen=True)
@@ -135,3 +135,75 @@ def explain_no_match(rule: Rule, op: Op, index: ModelIndex) -> SpecError:
     sel = ", ".join(("!" if s.negated else "") + s.text for s in rule.selectors)
     return SpecError(f"'{sel}' matched 0 modules of {index.model_class}", span,
                      hint="; ".join(hints) + ("; " if hints else "") + "mark the rule 'optional' if that is expected")
+
+
+# ------------------------------------------------------------------ members that match nothing
+MAX_MEMBERS = 256          # brace members checked one by one (= selectors.MAX_ALTERNATIVES)
+
+
+def brace_members(text: str, limit: int = MAX_MEMBERS) -> list[str]:
+    """``text`` with every ``{a,b}`` alternation expanded: one selector per member (ranges
+    ``{N..M}`` stay whole); ``[text]`` when there is none or more than ``limit`` members."""
+    out: list[str] = []
+    todo = [text]
+    while todo:
+        t = todo.pop(0)
+        depth, start = 0, -1
+        for k, c in enumerate(t):
+            if c == "{":
+                if depth == 0:
+                    start = k
+                depth += 1
+            elif c == "}" and depth:
+                depth -= 1
+                if depth == 0:
+                    inner = t[start + 1:k]
+                    parts = [p for p, _ in _split_top(inner)]
+                    if len(parts) > 1 or not _RANGE.fullmatch(inner):
+                        todo.extend(t[:start] + p + t[k + 1:] for p in parts)
+                        break
+        else:
+            out.append(t)
+        if len(out) + len(todo) > limit:
+            return [text]
+    return out
+
+
+def dead_members(rule: Rule, matches: list[Match]) -> list[tuple[object, str]]:
+    """(selector, member) of ``rule`` that select none of ``matches`` (the modules the rule
+    patches): a misspelt selector in a list, a brace member that fits nothing.  Only when the rule
+    has several positive selectors or a brace alternation; a rule's single selector that matches
+    nothing is :func:`explain_no_match`'s."""
+    pos = [s for s in rule.selectors if not s.negated]
+    out = []
+    for s in pos:
+        members = brace_members(s.text)
+        if len(pos) == 1 and len(members) == 1:
+            continue
+        for m in members:
+            rx = compile_selector(m)
+            if not any(rx.match(x.info.path) for x in matches):
+                out.append((s, m))
+    return out
+
+
+def explain_dead_member(rule: Rule, op: Op, index: ModelIndex, selector, member: str) -> SpecError:
+    """A SpecError for one selector (or brace member) of a rule that patches nothing."""
+    rx = compile_selector(member)
+    by_path = [i for i in index if i.path and rx.match(i.path)]
+    sel = ", ".join(("!" if s.negated else "") + s.text for s in rule.selectors)
+    what = f"'{member}'" + (f" (a member of '{selector.text}')" if member != selector.text else "")
+    if len(rule.selectors) > 1:
+        what += f" in '{sel}'"
+    if by_path:
+        classes = sorted({i.cls for i in by_path})
+        shown = ", ".join(classes[:4]) + ("..." if len(classes) > 4 else "")
+        return SpecError(f"{what} matched {len(by_path)} module(s) ({shown}) but none is "
+                         f"{rule.class_pattern.text} that {op.name} can replace", selector.span,
+                         hint="drop it from the rule, or mark the rule 'optional' if that is expected")
+    names = sorted({i.path.rsplit(".", 1)[-1] for i in index if i.path})
+    dm = did_you_mean(member.rsplit(".", 1)[-1], names)
+    return SpecError(f"{what} matched 0 modules of {index.model_class}: the rule would patch "
+                     f"the others and say nothing of it", selector.span,
+                     hint=(dm + "; " if dm else "") + "drop it from the rule, or mark the rule 'optional' "
+                     "if that is expected")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import sys
 from functools import lru_cache
 from typing import Any, Mapping
@@ -96,6 +97,10 @@ def function_kernels(model: Any) -> dict[str, str]:
     return out
 
 
+VERSION_MAX = 2 ** 31 - 1                          # as the hub op's version flag
+REVISION = re.compile(r"[^\s\x00-\x1f\x7f]{1,255}")     # as the hub op's revision flag
+
+
 def _entry(layer: str, value: Any, device: str) -> tuple[str, dict[str, Any]] | None:
     """(``repo:Layer``, metadata) for ``device``, or None when the mapping has no entry for it."""
     if isinstance(value, dict):
@@ -108,17 +113,27 @@ def _entry(layer: str, value: Any, device: str) -> tuple[str, dict[str, Any]] | 
     meta: dict[str, Any] = {}
     if isinstance(value, (list, tuple)):
         if len(value) != 2 or not isinstance(value[1], dict):
-            raise MappingError(f"{layer}: a pair must be [\"repo:Layer\", {{\"version\": N}}], got {value!r}")
+            raise MappingError(f"{layer}: a pair must be [\"repo:Layer\", {{\"version\": N}}], got {value!r:.80}")
         value, meta = value
         unknown = set(meta) - {"version", "revision", "trust_remote_code"}
         if unknown:
             raise MappingError(f"{layer}: unknown key(s) {sorted(unknown)} (version, revision, trust_remote_code)")
         if ("version" in meta) == ("revision" in meta):
             raise MappingError(f"{layer}: give exactly one of version and revision")
+        v = meta.get("version")
+        if "version" in meta and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= VERSION_MAX):
+            raise MappingError(f"{layer}: version must be a whole number in [1, {VERSION_MAX}], got {v!r:.60}")
+        r = meta.get("revision")
+        if "revision" in meta and not (isinstance(r, str) and REVISION.fullmatch(r)):
+            raise MappingError(f"{layer}: revision must be a branch, tag or commit (a string without spaces or "
+                               f"control characters), got {r!r:.60}")
+        t = meta.get("trust_remote_code", False)
+        if not isinstance(t, bool):
+            raise MappingError(f"{layer}: trust_remote_code must be true or false (JSON booleans), got {t!r:.60}")
     else:
         meta = {"version": 1}          # KernelConfig's default for a plain string
     if not isinstance(value, str) or ":" not in value or "/" not in value:
-        raise MappingError(f"{layer}: expected 'org/repo:Layer' or '/abs/path:Layer', got {value!r}")
+        raise MappingError(f"{layer}: expected 'org/repo:Layer' or '/abs/path:Layer', got {value!r:.80}")
     return value, meta
 
 
@@ -138,7 +153,7 @@ def hub_call(repo_layer: str, meta: Mapping[str, Any]) -> str:
             args.append(f"version={int(meta['version'])}")
         else:
             args.append(f"revision={_q(str(meta['revision']))}")
-        if meta.get("trust_remote_code"):
+        if meta.get("trust_remote_code") is True:
             args.append("trust_remote_code=true")
     return f"hub({', '.join(args)})"
 

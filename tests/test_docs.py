@@ -45,3 +45,21 @@ def test_op_order_does_not_depend_on_import_order():
             "print(','.join(OP_MODULES))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == out[1]
+
+
+def test_ci_runs_exactly_the_readme_test_command_in_a_fresh_venv():
+    """.ci/run: a new virtual environment in a new temporary folder, empty caches, and the README's
+    test command verbatim (issue 22: a green CI must show what a new user gets)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    tests = readme[readme.index("\nTests:"):]
+    command = re.search(r"```\n(.+?)\n```", tests).group(1).strip()
+    assert "pytest" in command
+    ci = (ROOT / ".ci" / "run").read_text()
+    lines = [ln.strip() for ln in ci.splitlines() if "python -m pytest" in ln and not ln.lstrip().startswith("#")]
+    assert len(lines) == 1 and lines[0].startswith(command + " ||"), (lines, command)
+    assert re.search(r'^fresh="\$\(mktemp -d', ci, re.M) and 'python3 -m venv "$fresh/venv"' in ci
+    assert 'source "$fresh/venv/bin/activate"' in ci
+    for var in ("PATCHDSL_CACHE", "TRITON_CACHE_DIR", "TRITON_HOME", "XDG_CACHE_HOME", "PIP_CACHE_DIR", "HF_HOME"):
+        assert re.search(rf'\b{var}="\$fresh/', ci), var

@@ -308,14 +308,112 @@ def test_refuses_a_forward_that_does_not_call_the_loss_function():
         patch_module(m, FLCE)
 
 
-def test_refuses_a_forward_that_uses_something_else_from_self():
-    cohere = pytest.importorskip("transformers.models.cohere.modeling_cohere")
-    cfg = AutoConfig.for_model("cohere", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+# What a causal LM's forward does between its last hidden state and its loss: every multiplier,
+# divisor or softcap of the shipped families is reproduced (loss and gradients as HF's), each
+# checked with its factor large enough to move the loss (lm_head scaled up).
+SCALED = {
+    # model_type: (config overrides, the kernel parameter that must carry the factor, its value)
+    "falcon_h1": (dict(lm_head_multiplier=0.5, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                       mamba_chunk_size=4, mamba_n_groups=1, head_dim=16), "logit_multiplier", 0.5),
+    "cohere": (dict(logit_scale=0.25), "logit_multiplier", 0.25),
+    "cohere2": (dict(logit_scale=0.25, layer_types=["full_attention"]), "logit_multiplier", 0.25),
+    "granite": (dict(logits_scaling=4.0), "logits_scaling", 4.0),
+    "gemma2": (dict(final_logit_softcapping=2.0, head_dim=16), "softcap", 2.0),
+}
+
+
+@pytest.mark.parametrize("op", [FLCE, CE])
+@pytest.mark.parametrize("model_type", list(SCALED))
+def test_every_logit_scaling_of_a_causal_lm_forward_is_reproduced(model_type, op):
+    over, param, value = SCALED[model_type]
+    try:
+        cfg = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                   max_position_embeddings=64, **over)
+    except (KeyError, ValueError):
+        pytest.skip(f"{model_type} is not in this transformers")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(DEVICE)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(40.0)               # logits of tens: the factor moves the loss
+    pat = copy.deepcopy(ref)
+    ref.train(), pat.train()
+    h = patch(pat, op)
+    # the linear CE computes the logits itself and so applies the factor; the CE takes the logits
+    # HF's own forward scaled (only the loss function is replaced)
+    assert h.plan.sites[0].keys[0].param_dict[param] == (value if op == FLCE else None)
+    ids, labels = batch(seed=12)
+    assert_same_step(ref(input_ids=ids, labels=labels), pat(input_ids=ids, labels=labels), ref, pat,
+                     rtol=1e-4, atol=1e-5)
+
+
+_VARIANT = """
+from transformers import LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+class Variant(LlamaForCausalLM):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, logits_to_keep=0, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        {head}
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+"""
+
+# A forward step between the hidden states and the loss -> None (reproduced by the linear CE: the
+# patched loss is HF's) or the linear CE's refusal (the step named).  The CE replaces only the loss
+# function, so HF's forward computes the logits: every variant's loss must be HF's.
+HEAD_STEPS = {
+    "pass": None,
+    "logits = logits * self.logit_scale": None,             # Cohere's, on a model that has it
+    "logits = logits / self.config.logits_scaling": None,   # Granite's
+    "logits = logits * self.temperature": r"uses self\.temperature",
+    "logits = logits * self.config.logit_temperature": r"reads config\.logit_temperature",
+    "logits = logits + 1.0": r"computes `logits = logits \+ 1\.0`",
+    "logits = logits * 2.0": r"computes `logits = logits \* 2\.0`",
+    "logits = logits.flip(-1)": r"computes `logits = logits\.flip\(-1\)`",
+    "hidden_states = hidden_states * 2.0": r"after the lm_head",
+    "logits = torch.tanh(logits / self.config.logits_scaling) * self.config.logits_scaling": r"computes",
+}
+
+
+@pytest.mark.parametrize("head", list(HEAD_STEPS))
+def test_a_forward_step_is_reproduced_or_refused_by_name(head, tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+
+    path = tmp_path / "variant_forward.py"
+    path.write_text("import torch\n" + _VARIANT.format(head=head))
+    spec = importlib.util.spec_from_file_location(f"variant_forward_{abs(hash(head))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)
+    spec.loader.exec_module(mod)
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                               max_position_embeddings=64)
-    m = cohere.CohereForCausalLM(cfg)
-    with pytest.raises(PatchError, match="logit_scale"):
-        patch_module(m, FLCE)
+                               max_position_embeddings=64, logits_scaling=4.0, logit_temperature=0.5)
+    torch.manual_seed(0)
+    ref = mod.Variant(cfg).to(DEVICE)
+    ref.logit_scale, ref.temperature = 0.25, 0.5
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(40.0)
+    loss_path._SHAPES.clear()
+    expected = HEAD_STEPS[head]
+    for op in (FLCE, CE):
+        pat = copy.deepcopy(ref)
+        ref.train(), pat.train()
+        if expected is not None and op == FLCE:
+            with pytest.raises(PatchError, match=expected):
+                patch_module(pat, op)
+            continue
+        patch_module(pat, op)
+        ids, labels = batch(seed=13)
+        ref.zero_grad()
+        assert_same_step(ref(input_ids=ids, labels=labels), pat(input_ids=ids, labels=labels), ref, pat,
+                         rtol=1e-4, atol=1e-5)
 
 
 def test_refuses_a_custom_loss_function():

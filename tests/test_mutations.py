@@ -124,6 +124,7 @@ class Mutation:
     model: str = "qwen3"
     dtype: str = "bf16"
     expect: tuple[str, ...] = ()    # quantities that must be among the failing site checks
+    spec: str | None = None         # the spec verified (default: SPECS[op])
 
     @property
     def id(self) -> str:
@@ -256,9 +257,13 @@ ALL_MUTATIONS = [
              (Edit(r"dwk2 \+= ", "dwk2 += 0.0 * ", QKNR_BWD),), dtype="fp32", expect=("grad_k_norm.weight",)),
     # ---- fused_cross_entropy (on lm_head, hosted by the causal LM; vocab 160 in a block of 256).
     # HF shifts the labels and pads each sequence's end with -100, so every batch has ignored rows.
+    # The ignore_index mutants run with check_labels=false: with the check on, the label range check
+    # meets the -100 labels the broken branch lets through and raises IndexError (see
+    # test_ignore_index_mutant_trips_the_label_check); off, verify's numbers must catch the bug alone.
     Mutation("fused_cross_entropy", "ignore_index_not_ignored",
              (Edit(r"if label == IGNORE_INDEX:", "if label == IGNORE_INDEX + 1:", CE_ROW),),
-             expect=("loss", "grad_input", "grad_weight")),
+             expect=("loss", "grad_input", "grad_weight"),
+             spec="lm_head: Linear -> fused_cross_entropy(check_labels=false)\n"),
     Mutation("fused_cross_entropy", "padding_in_logsumexp",
              (Edit(r"^(\s*)(\w+) = tl\.where\(msk, z, float\(\"-inf\"\)\)$", r"\1\2 = z", CE_ROW),), expect=("loss",)),
     Mutation("fused_cross_entropy", "label_grad_sign",
@@ -266,7 +271,8 @@ ALL_MUTATIONS = [
     # ---- fused_linear_cross_entropy (24 rows in chunks of 16: two chunks)
     Mutation("fused_linear_cross_entropy", "ignore_index_not_ignored",
              (Edit(r"if label == IGNORE_INDEX:", "if label == IGNORE_INDEX + 1:", CE_ROW),),
-             expect=("loss", "grad_input", "grad_weight")),
+             expect=("loss", "grad_input", "grad_weight"),
+             spec="lm_head: Linear -> fused_linear_cross_entropy(chunk=16, check_labels=false)\n"),
     Mutation("fused_linear_cross_entropy", "grad_w_first_chunk_only",
              (Edit(r"^(\s*)if need_w:\n", r"\1if need_w and i == 0:\n", r"^def _chunks\("),),
              dtype="fp32", expect=("grad_weight",)),
@@ -332,8 +338,8 @@ MUTATIONS = [m for m in ALL_MUTATIONS if _template_of(m.op)]
 BASELINES = sorted({(m.op, m.model, m.dtype) for m in MUTATIONS})
 
 
-def _verify(op: str, model: str, dtype: str):
-    return patchdsl.verify(SPECS[op], MODELS[model], dtype=dtype, batch=2, seq=12, seed=3, device=DEVICE)
+def _verify(op: str, model: str, dtype: str, spec: str | None = None):
+    return patchdsl.verify(spec or SPECS[op], MODELS[model], dtype=dtype, batch=2, seq=12, seed=3, device=DEVICE)
 
 
 def _site_ops(report) -> dict[str, str]:
@@ -350,7 +356,7 @@ def test_unbroken_kernels_pass(op, model, dtype):
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.id for m in MUTATIONS])
 def test_broken_kernel_fails_and_names_the_site(mutation, mutate):
     broken = mutate(mutation)
-    report = _verify(mutation.op, mutation.model, mutation.dtype)
+    report = _verify(mutation.op, mutation.model, mutation.dtype, mutation.spec)
     assert broken, "the mutated kernel was never loaded"
     assert not report.passed and report.exit_code() == 1
     failed = report.failed_sites()
@@ -362,6 +368,19 @@ def test_broken_kernel_fails_and_names_the_site(mutation, mutate):
     bad_q = {r.quantity for r in report.failures() if r.kind == "site"}
     missing = set(mutation.expect) - bad_q
     assert not missing, f"{mutation.id}: expected {sorted(missing)} to fail too; failed: {sorted(bad_q)}"
+
+
+@pytest.mark.parametrize("op", ["fused_cross_entropy", "fused_linear_cross_entropy"])
+def test_ignore_index_mutant_trips_the_label_check(op, mutate):
+    """With check_labels on (the default), a kernel whose ignore branch is broken meets HF's -100
+    padding as a label out of [0, vocab): the kernel's range check clears the flag while the host
+    finds every label valid, and the error says the kernel is wrong (never a made-up label)."""
+    mutation = next(m for m in MUTATIONS if m.op == op and m.name == "ignore_index_not_ignored")
+    assert "check_labels=false" in mutation.spec
+    broken = mutate(mutation)
+    with pytest.raises(IndexError, match=r"out of bounds that the host check does not.*the kernel is wrong"):
+        _verify(op, mutation.model, mutation.dtype)
+    assert broken
 
 
 def test_every_registered_op_has_a_mutation():

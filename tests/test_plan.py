@@ -179,14 +179,16 @@ def test_cli_plan_full_qwen3_offline():
 def test_plan_shows_what_apply_will_refuse():
     """`patchdsl plan specs/qwen3.kpatch --model meta-llama/Llama-3.2-1B`: Llama's attention has no
     q_norm/k_norm, so the self_attn sites are refused at plan time with apply's reason, and never
-    counted as patched (text and --json)."""
+    counted as patched (text and --json).  Refused sites the spec asks for are bad input, exit 2,
+    as in apply and verify (issue 22); the plan is still printed."""
     from click.testing import CliRunner
 
     from patchdsl.cli import main
 
     r = CliRunner().invoke(main, ["plan", "specs/qwen3.kpatch", "--model", "meta-llama/Llama-3.2-1B", "--json"])
-    assert r.exit_code == 0, r.output
-    d = json.loads(r.output[r.output.index("{"):])
+    assert r.exit_code == 2, r.output
+    assert "error: 16 site(s) the spec asks for are refused" in r.stderr
+    d = json.loads(r.stdout[r.stdout.index("{"):])
     totals = {t["name"]: (t["patched"], t["present"]) for t in d["totals"]}
     assert totals["self_attn"] == (0, 16) and totals["mlp"] == (16, 16)
     refused = [s for s in d["sites"] if s["refused"]]
@@ -194,7 +196,7 @@ def test_plan_shows_what_apply_will_refuse():
     assert "no q_norm/k_norm" in refused[0]["refused"] and "use fused_rope" in refused[0]["refused"]
     assert not any(k["op"] == "fused_qk_norm_rope" for s in d["sites"] if not s["refused"] for k in s["kernels"])
     r = CliRunner().invoke(main, ["plan", "specs/qwen3.kpatch", "--model", "meta-llama/Llama-3.2-1B"])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 2, r.output
     text = " ".join(r.output.split())
     assert "modules patched: " in text and "0/16 self_attn" in text
     assert "refused fused_qk_norm_rope on 16 sites" in text and "no q_norm/k_norm" in text

@@ -147,3 +147,59 @@ def test_only_exclusions_is_an_error():
 
     with pytest.raises(SpecError, match="at least one selector that is not an exclusion"):
         parse_spec("!model.norm: RMSNorm -> fused_rmsnorm")
+
+
+# A rule's selectors and brace members each patch something, or the rule is an error at that
+# selector (issue 22: a misspelt selector in a list, or a brace member that fits nothing, used to
+# vanish from the totals); `optional` lists them as unmatched instead.
+# (rule, None = plans with these patched leaf totals and unmatched count | error regex)
+DEAD_MEMBERS = [
+    ("*.input_layernorm, *.post_attention_layernorm, model.norm: RMSNorm -> fused_rmsnorm",
+     ({"input_layernorm": 2, "post_attention_layernorm": 2, "norm": 1}, 0)),
+    ("*.input_layernorm, *.post_atention_layernorm, model.norm: RMSNorm -> fused_rmsnorm",
+     r"(?s)'\*\.post_atention_layernorm' in .* matched 0 modules.*did you mean 'post_attention_layernorm'"),
+    ("optional *.input_layernorm, *.post_atention_layernorm: RMSNorm -> fused_rmsnorm",
+     ({"input_layernorm": 2}, 1)),
+    ("*.self_attn.{q_norm,k_norm}: RMSNorm -> fused_rmsnorm", ({"q_norm": 2, "k_norm": 2}, 0)),
+    ("*.self_attn.{q_norm,k_norm,v_norm}: RMSNorm -> fused_rmsnorm",
+     r"'\*\.self_attn\.v_norm' \(a member of '\*\.self_attn\.\{q_norm,k_norm,v_norm\}'\) matched 0 modules"),
+    ("optional *.self_attn.{q_norm,k_norm,v_norm}: RMSNorm -> fused_rmsnorm", ({"q_norm": 2, "k_norm": 2}, 1)),
+    # a member that matches modules of another kind is dropped as surely: an error too
+    ("model.layers.*.{input_layernorm,mlp}: RMSNorm -> fused_rmsnorm",
+     r"'model\.layers\.\*\.mlp' .* matched 2 module\(s\) \(Qwen3MLP\) but none is RMSNorm"),
+    ("*.mlp, *.self_attn: SwiGLU -> fused_swiglu", r"'\*\.self_attn' in .* but none is SwiGLU"),
+    # nested braces, and a range that stays whole (layers 0 and 1 exist; the range is one member)
+    ("model.layers.{0..5}.{input_layernorm,post_attention_layernorm}: RMSNorm -> fused_rmsnorm",
+     ({"input_layernorm": 2, "post_attention_layernorm": 2}, 0)),
+    ("model.layers.{0,7}.mlp: SwiGLU -> fused_swiglu", r"'model\.layers\.7\.mlp' .* matched 0 modules"),
+    # exclusions are not members
+    ("*.mlp, !model.layers.0.mlp: SwiGLU -> fused_swiglu", ({"mlp": 1}, 0)),
+]
+
+
+@pytest.mark.parametrize("rule, expected", DEAD_MEMBERS, ids=[r for r, _ in DEAD_MEMBERS])
+def test_every_selector_and_brace_member_patches_something(rule, expected):
+    from patchdsl.planner import plan
+
+    from .families import tiny_model
+
+    model = tiny_model("qwen3")
+    if isinstance(expected, str):
+        with pytest.raises(SpecError, match=expected):
+            plan(rule + "\n", model)
+        return
+    totals, n_unmatched = expected
+    p = plan(rule + "\n", model)
+    assert {n: a for n, a, _ in p.totals} == totals
+    assert len(p.unmatched_optional) == n_unmatched
+
+
+def test_brace_members_expands_alternations_not_ranges():
+    from patchdsl.select import MAX_MEMBERS, brace_members
+
+    assert brace_members("*.{a,b}.{c,d}") == ["*.a.c", "*.a.d", "*.b.c", "*.b.d"]
+    assert brace_members("a.{b,{c,d}x}") == ["a.b", "a.cx", "a.dx"]
+    assert brace_members("l.{0..11}.mlp") == ["l.{0..11}.mlp"]
+    assert brace_members("*.mlp") == ["*.mlp"]
+    wide = "x.{" + ",".join(f"m{i}" for i in range(MAX_MEMBERS + 1)) + "}"
+    assert brace_members(wide) == [wide]          # too many to check one by one: the whole selector

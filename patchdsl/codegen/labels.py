@@ -66,7 +66,10 @@ def check_flag(flag: Any, labels: Any, vocab: int, ignore_index: int, where: str
     if flag.device.type == "cpu":
         if not int(flag.item()):
             v = first_bad(labels, vocab, ignore_index)
-            raise out_of_bounds(v if v is not None else -1, vocab, ignore_index, where)
+            if v is None:       # the kernel disagrees with the host about which labels are bad
+                raise IndexError(f"{where}: the kernel found a label out of bounds that the host check does not "
+                                 f"(labels in [0, {vocab}) or ignore_index={ignore_index}): the kernel is wrong")
+            raise out_of_bounds(v, vocab, ignore_index, where)
         return
     torch._assert_async(flag, f"{where}: a label is out of bounds (neither ignore_index={ignore_index} "
                               f"nor in [0, {vocab}))")

@@ -63,15 +63,24 @@ def validate_kpatch_fields(args: Any) -> None:
     if isinstance(dts, str):
         dts = [d for d in dts.replace(",", " ").split() if d]
     if dts is not None:
+        # a list (or tuple) of names, nothing else: a mapping would be read as its keys, a number
+        # is no dtype, a generator would be used up
+        if not isinstance(dts, (list, tuple)):
+            raise ValueError(f"kpatch_dtype must be a dtype name or a list of them (fp32, bf16, fp16), "
+                             f"got {type(dts).__name__} {dts!r:.80}")
+        if len(dts) > 16:
+            raise ValueError(f"kpatch_dtype: {len(dts)} entries; give at most the three dtypes fp32, bf16, fp16")
         out = []
         for d in dts:
-            name = DTYPE_ALIASES.get(str(d).strip().lower().removeprefix("torch."))
+            if not isinstance(d, str):
+                raise ValueError(f"kpatch_dtype: each entry is a dtype name (fp32, bf16, fp16), got {d!r:.80}")
+            name = DTYPE_ALIASES.get(d.strip().lower().removeprefix("torch."))
             if name is None:
                 raise ValueError(f"kpatch_dtype: unknown dtype {d!r}; use fp32, bf16 or fp16")
             if name not in out:
                 out.append(name)
         args.kpatch_dtype = out or None
-    if args.kpatch_log not in LOG_LEVELS:
+    if not isinstance(args.kpatch_log, str) or args.kpatch_log not in LOG_LEVELS:
         raise ValueError(f"kpatch_log must be one of {', '.join(LOG_LEVELS)}, got {args.kpatch_log!r}")
     for name in ("kpatch_strict", "kpatch_verify", "kpatch_from_liger", "kpatch_cuda_graphs"):
         if not isinstance(getattr(args, name), bool):

@@ -77,7 +77,7 @@ def check_liger_config(config: Any, where: str = "liger_kernel_config") -> dict[
     for k, v in config.items():
         if k not in LIGER_KEYS:
             dym = did_you_mean(str(k), LIGER_KEYS)
-            raise LigerConfigError(f"unknown {where} key '{k}' (Liger would drop it silently)",
+            raise LigerConfigError(f"unknown {where} key '{k!s:.80}' (Liger would drop it silently)",
                                    hint=(dym + " " if dym else "") + f"allowed keys: {', '.join(LIGER_KEYS)}")
         if not isinstance(v, bool):
             raise LigerConfigError(f"{where} key '{k}' must be true or false, got {_shown(v)}")

@@ -71,12 +71,24 @@ def spec_from_config(config: Any) -> tuple[Spec, bool]:
             raise SpecError("'dtype' goes in the spec file when 'spec' is given")
         return load_spec(config["spec"]), strict
     rules = config["rules"]
-    if isinstance(rules, str) or not all(isinstance(r, str) for r in rules):
-        raise SpecError("patchdsl config 'rules' must be a list of strings (one statement each)")
+    # a list (or tuple) of strings, nothing else: a mapping would be read as its keys and a
+    # generator used up by the check (a spec of 0 rules)
+    if not isinstance(rules, (list, tuple)) or not all(isinstance(r, str) for r in rules):
+        raise SpecError(f"patchdsl config 'rules' must be a list of strings (one statement each), "
+                        f"got {type(rules).__name__}")
+    if not rules:
+        raise SpecError("patchdsl config 'rules' is empty: give at least one rule")
+    for i, r in enumerate(rules):
+        if "\n" in r or "\r" in r:
+            raise SpecError(f"patchdsl config 'rules'[{i}] holds a line break: one statement per entry")
     lines = []
     if "dtype" in config:
         dts = config["dtype"]
-        dts = [dts] if isinstance(dts, str) else list(dts)
+        dts = [dts] if isinstance(dts, str) else dts
+        if (not isinstance(dts, (list, tuple)) or not dts
+                or not all(isinstance(d, str) and d.replace(".", "").isalnum() for d in dts)):
+            raise SpecError(f"patchdsl config 'dtype' must be a dtype name or a list of them (fp32, bf16, fp16), "
+                            f"got {config['dtype']!r:.80}")
         lines.append("dtype " + ", ".join(dts))
     lines.extend(rules)
     return parse_spec("\n".join(lines) + "\n", "<config>"), strict

@@ -485,6 +485,9 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
     if local:
         if is_dir(path):
             directory, cfg_path = path, path / "config.json"
+            if exists(cfg_path) and not is_file(cfg_path):
+                raise ModelLoadError(f"'{show(cfg_path)}' is not a regular file (a folder, FIFO or device); a model "
+                                     f"directory holds config.json as a file")
             if not is_file(cfg_path):
                 raise ModelLoadError(f"'{show(spec_s)}' is a directory without a config.json; pass a model directory "
                                      f"(config.json plus optional weights) or the path to a config.json")

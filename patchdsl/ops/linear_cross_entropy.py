@@ -244,7 +244,7 @@ class FusedLinearCrossEntropy(Op):
         fused = flags.get("mode", "auto") == "fused"
         for k in ("tile", "grad_tile"):
             if flags.get(k, "auto") != "auto" and flags[k] not in FUSED_TILES:
-                return f"{k}={flags[k]} is not a known tile; known: {', '.join(FUSED_TILES)}"
+                return f"{k}={str(flags[k])[:60]!r} is not a known tile; known: {', '.join(FUSED_TILES)}"
         own = ("tile", "grad_tile", "band", "flatten") if not fused else ("chunk", "accumulate", "block", "programs_per_sm")
         given = [f"{k}={flags[k]}" for k in own if flags.get(k, "auto") not in ("auto", False)]
         if not given:

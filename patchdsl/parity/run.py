@@ -50,6 +50,8 @@ def _prepare(model: Any, dtype: Any, device: Any) -> Any:
     import torch
 
     model.to(device=device, dtype=dtype)
+    if dtype == torch.float64:
+        _eager_experts(model)
     model.train()
     for m in model.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
@@ -61,6 +63,19 @@ def _prepare(model: Any, dtype: Any, device: Any) -> Any:
     for p in model.parameters():
         p.grad = None
     return model
+
+
+def _eager_experts(model: Any) -> None:
+    """The float64 reference computes MoE experts with transformers' eager loop: its default
+    ``grouped_mm`` takes no float64 (the models under test keep their own implementation)."""
+    cfg = getattr(model, "config", None)
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is None or getattr(cfg, "_experts_implementation", None) in (None, "eager"):
+        return
+    try:
+        setter("eager")
+    except Exception:       # a version or model without a switchable implementation: left as it is
+        pass
 
 
 def _vocab(model: Any) -> int:
