@@ -129,8 +129,10 @@ def test_progress_counts_the_measured_steps(warmup, steps, chunks):
 # ---------------------------------------------------------------- plans one can read and grep
 def _plan_json(spec, model):
     r = run(["plan", spec, "-m", model, "--json"])
-    assert r.exit_code == 0, r.output
-    return json.loads(r.stdout)
+    d = json.loads(r.stdout)
+    # a site the spec asks for (not optional) refused by the model is exit 2, the plan still printed
+    assert r.exit_code == (2 if any(s["refused"] and not s.get("optional") for s in d["sites"]) else 0), r.output
+    return d
 
 
 @pytest.mark.parametrize("spec,model", [("qwen3", Q), ("specs/qwen3.kpatch", "meta-llama/Llama-3.2-1B"),
@@ -141,7 +143,7 @@ def test_plan_counts_agree_everywhere(spec, model):
     fused = sum(len(s["covers"]) for s in sites)
     assert sum(t["patched"] for t in d["totals"]) == len(sites) + fused
     r = run(["plan", spec, "-m", model])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == (2 if len(sites) < len(d["sites"]) else 0), r.output
     lines = r.stdout.splitlines()
     summary = lines[-1]
     want = f"{len(sites)} site(s) to patch" + (f" (+{fused} module(s) fused into them: {len(sites) + fused} modules"
