@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from .compare import Errors, Tolerance, errors, judge, tolerance_for
 from .hooks import Capture, cast_to, run_site
+from .moe import eager_experts
 from .reference import float64_mode
 from .report import Check, ParityReport
 
@@ -178,6 +179,7 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int 
     ref, hf, patched = _models(model_or_factory)
     say(f"moving them to {device}")
     _prepare(ref, torch.float64, device)
+    eager_experts(ref)          # MoE: the float64 reference must not go through grouped_mm (see .moe)
     _prepare(hf, dt, device)
     _prepare(patched, dt, device)
 
