@@ -21,7 +21,8 @@ OP_MODULES = (
     "cross_entropy", "linear_cross_entropy", "linear_logprobs", "linear_jsd",
     "hub", "liger",      # external ops (patchdsl/ops/external.py)
 )
-KIND_NAMES = ("RMSNorm", "LayerNorm", "SwiGLU", "GeGLU", "Attention", "CausalLM", "Linear", "DecoderLayer")
+KIND_NAMES = ("RMSNorm", "LayerNorm", "SwiGLU", "GeGLU", "Attention", "CausalLM", "Linear", "DecoderLayer",
+              "Experts", "MoEBlock")   # mixture of experts (issue 24)
 
 _loaded = False
 
