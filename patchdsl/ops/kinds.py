@@ -380,6 +380,14 @@ def _expert_params(m: Any) -> dict | None:
     return {"E": E, "orient": orient, "bias": bias}
 
 
+def _top_k(m: Any, E: int) -> int | None:
+    """The experts' top-k as the model's config says (``num_experts_per_tok``), None if unknown."""
+    for v in (m.__dict__.get("top_k"), getattr(getattr(m, "config", None), "num_experts_per_tok", None)):
+        if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= E:
+            return int(v)
+    return None
+
+
 def _expert_forward(m: Any):
     fwd = type(m).forward
     return getattr(fwd, "__wrapped__", fwd)    # the eager loop, not the registry's dispatch
@@ -439,7 +447,7 @@ def experts(m: Any) -> dict | None:
                 ref = experts_reference(x, idx, w, gu, dn, gb, db, facts)
                 if torch.allclose(out, ref, rtol=1e-9, atol=1e-10):
                     return {"experts": E, "hidden": H, "intermediate": I, "transposed": tr, "layout": layout,
-                            "bias": p["bias"], "activation": an, "alpha": al, "limit": li}
+                            "bias": p["bias"], "activation": an, "alpha": al, "limit": li, "top_k": _top_k(m, E)}
     return None
 
 

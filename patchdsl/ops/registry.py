@@ -17,7 +17,7 @@ _KIND_DOCS: dict[str, str] = {}
 
 # Op modules, imported on first registry access.  Order is the documentation order.
 OP_MODULES = (
-    "rmsnorm", "add_rmsnorm", "layernorm", "swiglu", "geglu", "rope", "qk_norm_rope",
+    "rmsnorm", "add_rmsnorm", "layernorm", "swiglu", "geglu", "experts", "rope", "qk_norm_rope",
     "cross_entropy", "linear_cross_entropy", "linear_logprobs", "linear_jsd",
     "hub", "liger",      # external ops (patchdsl/ops/external.py)
 )
