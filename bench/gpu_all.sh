@@ -25,7 +25,9 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): label_check (90 s; linear CE with the label check on and off), sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
+# By name only (not in "all"): moe (150 s; bench/moe_bench.py: experts fwd+bwd at the Qwen3-30B-A3B layer shape, patchdsl vs
+# grouped_mm / batched_mm / Liger / matmul floor, then a 4-layer Qwen3-30B-A3B-shaped model 4x2048 default vs patchdsl vs Liger,
+# each in its own process; moe.json / moe.txt), label_check (90 s; linear CE with the label check on and off), sweep (300 s), specialise (120 s), profile (90 s), amdahl (200 s), host_ab (90 s), kern_sweep (90 s), flce (120 s),
 # host_breakdown (80 s; bench/host_breakdown.py, plus --root .old and a comparison when .old/ is carried): bench ops
 # --sweep-only, bench specialise, bench/profile_gpu.py, bench/profile_gpu.py --what amdahl (step GPU time by
 # part, patchdsl vs Liger per family), host time fast vs normal launch, bench/kern_sweep.py; SWEEP_ARGS / SPEC_ARGS / PROF_ARGS / AMDAHL_ARGS add arguments.
@@ -53,7 +55,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="label_check sweep specialise profile amdahl host_ab kern_sweep flce host_breakdown"     # not in "all": the first round's other parts, by name only
+EXTRA="moe label_check sweep specialise profile amdahl host_ab kern_sweep flce host_breakdown"     # not in "all": the first round's other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -142,6 +144,7 @@ for part in $PARTS; do
     kern_sweep) lim=$(limit kern_sweep 90) ;;
     flce) lim=$(limit flce 120) ;;
     label_check) lim=$(limit label_check 90) ;;
+    moe) lim=$(limit moe 150) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -288,6 +291,12 @@ for part in $PARTS; do
         run_part flce_ops "$lb" python3 -m patchdsl.cli bench ops --ops linear_cross_entropy_fused --no-sweep \
           --json "$WORK/ops_flce.json" --no-png --budget $(( lb - 8 )) --target-ms 60
       fi
+      ;;
+    moe)   # mixture of experts (issue 24): the experts op and a 4-layer Qwen3-30B-A3B-shaped model
+      mkdir -p "$WORK/moe"
+      run_part moe "$lim" python3 bench/moe_bench.py --out "$WORK/moe" --budget $(( lim - 10 ))
+      [ -f "$WORK/moe/moe.txt" ] && cat "$WORK/moe/moe.txt" >>"$WORK/summary.parts"
+      status+=("moe: $(grep -E '^moe: ' "$LOG" | tail -n 1)")
       ;;
     kern_sweep)   # RMSNorm / GLU kernel variants (bench/kern_sweep.py)
       mkdir -p "$WORK/kern"

@@ -28,8 +28,17 @@ SHAPE = dict(tokens=16384, hidden=2048, experts=128, top_k=8, inter=768)
 E2E = dict(batch=4, seq=2048, layers=4, warmup=2, steps=5)
 
 
+DEV = "cuda"
+TARGET = "cuda"
+
+
 def _time_cuda(fn, reps=10, warmup=3):
     import torch
+
+    if DEV == "cpu":          # --cpu-dry: one call, wall time (checks the code path, not a measurement)
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
 
     for _ in range(warmup):
         fn()
@@ -65,7 +74,7 @@ def _experts_module(dev, dt):
 def run_ops(budget: float) -> list[dict]:
     import torch
 
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = DEV, (torch.bfloat16 if DEV == "cuda" else torch.float32)
     T, H, E, K, I = (SHAPE[k] for k in ("tokens", "hidden", "experts", "top_k", "inter"))
     g = torch.Generator(device=dev).manual_seed(0)
     x0 = torch.randn(T, H, device=dev, dtype=dt, generator=g)
@@ -91,10 +100,12 @@ def run_ops(budget: float) -> list[dict]:
             out = fwd(x, idx, w)
             out.backward(dy)
         try:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+            cuda = dev == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if cuda else 0
             ms = _time_cuda(step)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
             # fwd alone
             with torch.no_grad():
                 fms = _time_cuda(lambda: fwd(x, idx, w))
@@ -103,7 +114,8 @@ def run_ops(budget: float) -> list[dict]:
             rows.append({"impl": name, "skipped": f"out of memory ({str(e)[:80]})"})
         except Exception as e:
             rows.append({"impl": name, "skipped": f"{type(e).__name__}: {str(e)[:160]}"})
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
 
     params = [mod.gate_up_proj, mod.down_proj]
     for p in params:
@@ -119,7 +131,7 @@ def run_ops(budget: float) -> list[dict]:
         op = get_op("fused_experts")
         facts = recognise(mod)
         info = ModuleInfo("experts", type(mod).__name__, (), {"Experts": facts})
-        params_k = op.key_params(info, {}, "bf16", "cuda")
+        params_k = op.key_params(info, {}, "bf16" if dev == "cuda" else "fp32", TARGET)
         kmod = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params_k), params_k))
         case("patchdsl", lambda x, i, w: kmod.experts(x, i, w, mod.gate_up_proj, mod.down_proj), params)
         # correctness at this shape against grouped_mm (bf16 both; relative Frobenius error)
@@ -136,7 +148,7 @@ def run_ops(budget: float) -> list[dict]:
 
         case("grouped_mm", lambda x, i, w: hf_moe.grouped_mm_experts_forward(mod, x, i, w), params)
         need = T * K * (2 * I * H + H * I) * 2 / 2**30
-        free = torch.cuda.mem_get_info()[0] / 2**30
+        free = torch.cuda.mem_get_info()[0] / 2**30 if dev == "cuda" else 1.0
         if need > 0.8 * free:
             rows.append({"impl": "batched_mm", "skipped": f"gathers {need:.0f} GiB of expert weights (free {free:.0f} GiB)"})
         else:
@@ -246,7 +258,14 @@ def main() -> None:
     ap.add_argument("--what", default="ops,e2e")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--impls", default="default,patchdsl,liger")
+    ap.add_argument("--cpu-dry", action="store_true", help="tiny shapes on the CPU (Triton interpreter), ops only: "
+                    "checks the code path without a GPU")
     a = ap.parse_args()
+    if a.cpu_dry:
+        global DEV, TARGET
+        DEV, TARGET = "cpu", "interpreter"
+        SHAPE.update(tokens=32, hidden=32, experts=4, top_k=2, inter=24)
+        a.what = "ops"
     if a.worker:
         print("RESULT " + json.dumps(run_e2e_worker(a.worker)), flush=True)
         return
@@ -254,7 +273,7 @@ def main() -> None:
     res: dict = {"shape": SHAPE, "e2e_shape": E2E}
     try:
         import torch
-        res["device"] = torch.cuda.get_device_name(0)
+        res["device"] = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (dry run)"
         res["torch"] = torch.__version__
     except Exception:
         pass
