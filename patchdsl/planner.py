@@ -635,7 +635,8 @@ def _load_plan(d: Any) -> PatchPlan:
         target = d.get("target")
         _need(target in _TARGETS, "plan.target", f"expected one of {', '.join(_TARGETS)}")
         dtypes = tuple(_list(d.get("dtypes"), "plan.dtypes"))
-        _need(0 < len(dtypes) <= 3 and len(set(dtypes)) == len(dtypes) and all(x in _DTYPES for x in dtypes),
+        _need(0 < len(dtypes) <= 3 and all(isinstance(x, str) and x in _DTYPES for x in dtypes)
+              and len(set(dtypes)) == len(dtypes),
               "plan.dtypes", f"expected distinct values among {', '.join(_DTYPES)}")
         model_type = d.get("model_type")
         _need(model_type is None or (isinstance(model_type, str) and bool(_FACT_STRINGS.fullmatch(model_type))),
