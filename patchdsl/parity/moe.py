@@ -59,3 +59,40 @@ def eager_experts(model: Any) -> EagerExperts:
         h.done.append((m, False, None))
         m.__dict__["forward"] = types.MethodType(inner, m)
     return h
+
+
+def is_routed_call(captured: Any) -> bool:
+    """True when a captured call looks like an experts call: ``(hidden, top_k_index, top_k_weights)``
+    with an integer index and floating weights of the same shape."""
+    import torch
+
+    args = getattr(captured, "args", ())
+    return (len(args) >= 3 and all(isinstance(a, torch.Tensor) for a in args[:3])
+            and args[0].is_floating_point() and not args[1].is_floating_point()
+            and args[2].is_floating_point() and args[1].shape == args[2].shape)
+
+
+def routing_grads(model: Any, site_path: str, captured: Any, dtype: Any, device: Any,
+                  upstream: Callable[[Any], Any], context: Any = None) -> dict[str, Any]:
+    """For an experts site: the gradient of its output w.r.t. the routing weights it was given
+    (``grad_top_k_weights``: what trains the router), with the same routing (the captured
+    ``top_k_index``) in every copy.  ``{}`` for any other site."""
+    import contextlib
+
+    import torch
+
+    from .hooks import cast_to
+
+    if not is_routed_call(captured):
+        return {}
+    m = model.get_submodule(site_path) if site_path else model
+    args = list(cast_to(captured.args, dtype, device))
+    kwargs = cast_to(captured.kwargs, dtype, device)
+    args[0] = args[0].requires_grad_(True)
+    w = args[2].requires_grad_(True)
+    with torch.enable_grad(), (context or contextlib.nullcontext()):
+        out = m(*args, **kwargs)
+    if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        return {"grad_top_k_weights": None}
+    (g,) = torch.autograd.grad(out, [w], upstream(out), allow_unused=True)
+    return {"grad_top_k_weights": g}

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .compare import Errors, Tolerance, errors, judge, tolerance_for
 from .hooks import Capture, cast_to, run_site
-from .moe import eager_experts
+from .moe import eager_experts, is_routed_call, routing_grads
 from .reference import float64_mode
 from .report import Check, ParityReport
 
@@ -239,6 +239,9 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: str = "fp32", batch: int 
 
             res = {name: run_site(m, s.host, s.path, c, mdt, device, upstream, is_lm, _ctx(m))
                    for name, m, mdt in (("ref", ref, torch.float64), ("hf", hf, dt), ("patched", patched, dt))}
+            if not is_lm and is_routed_call(c):     # MoE experts: the router's gradient too (see .moe)
+                for name, m, mdt in (("ref", ref, torch.float64), ("hf", hf, dt), ("patched", patched, dt)):
+                    res[name].update(routing_grads(m, s.path, c, mdt, device, upstream, _ctx(m)))
             for q in res["ref"]:
                 rv, hv, pv = res["ref"][q], res["hf"].get(q), res["patched"].get(q)
                 if rv is None and pv is None:
