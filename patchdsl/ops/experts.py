@@ -31,7 +31,7 @@ from .registry import register
 # Tiles: the GPU values are what the H100/H200 GEMMs of this shape usually want (BM rows of one
 # expert, BN output columns, BK reduction); the interpreter gets small tiles (CPU tests, tiny shapes).
 CUDA_TILES = {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
-INTERP_TILES = {"BM": 16, "BN": 16, "BK": 16, "num_warps": 1, "num_stages": 1}
+INTERP_TILES = {"BM": 32, "BN": 32, "BK": 32, "num_warps": 1, "num_stages": 1}
 
 
 class FusedExperts(Op):

@@ -496,6 +496,8 @@ def router_loss(host: Any, shape: "ForwardShape", outputs: Any, a: Mapping[str, 
     if not aux or not a.get("output_router_logits"):
         return None
     router_logits = outputs.get("router_logits") if hasattr(outputs, "get") else getattr(outputs, "router_logits", None)
+    if router_logits is None:        # a body that recorded none (HF's function would return the int 0)
+        return None
     args = [a.get(src) if not src.startswith("self.") else _read_value(host, src) for src in aux["args"]]
     return aux["func"](router_logits, *args)
 
