@@ -30,7 +30,8 @@ from .registry import register
 
 # Tiles: the GPU values are what the H100/H200 GEMMs of this shape usually want (BM rows of one
 # expert, BN output columns, BK reduction); the interpreter gets small tiles (CPU tests, tiny shapes).
-CUDA_TILES = {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
+# Not measured yet on a GPU (bench/moe_bench.py sweeps a few of these against transformers' grouped_mm).
+CUDA_TILES = {"BM": 128, "BN": 64, "BK": 64, "num_warps": 8, "num_stages": 3}
 INTERP_TILES = {"BM": 32, "BN": 32, "BK": 32, "num_warps": 1, "num_stages": 1}
 
 
