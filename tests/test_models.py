@@ -28,6 +28,9 @@ SHIPPED = {
     "microsoft/Phi-3-mini-4k-instruct": ("Phi3ForCausalLM", "phi3", 32, 3072, 8192, 32, 32, 96, 32064, False,
                                          3_821_079_552),
     "Qwen/Qwen2.5-0.5B": ("Qwen2ForCausalLM", "qwen2", 24, 896, 4864, 14, 2, 64, 151936, True, 494_032_768),
+    # mixture of experts (issue 24): 128 experts, top 8, moe_intermediate 768
+    "Qwen/Qwen3-30B-A3B": ("Qwen3MoeForCausalLM", "qwen3_moe", 48, 2048, 6144, 32, 4, 128, 151936, False,
+                           30_532_122_624),
 }
 
 
