@@ -342,3 +342,40 @@ def test_logprobs_refuse_a_forward_with_a_router_loss():
     model = tiny_moe_model("mixtral")
     h = apply(plan("lm_head: Linear -> fused_linear_logprobs\n", model, target=TARGET), model, target=TARGET)
     assert h.refused and "auxiliary loss" in str(h.refused[0])
+
+
+# ---------------------------------------------------------------- PEFT LoRA on the expert parameters
+def test_peft_lora_on_expert_parameters_trains_through_the_fused_experts():
+    peft = pytest.importorskip("peft")
+    from patchdsl import apply, plan
+    from patchdsl.ops.kinds import peft_param_base
+
+    model = tiny_moe_model("qwen3_moe")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[],
+                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    pm = peft.get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)           # B starts at 0: make the adapters' delta count
+    ref = copy.deepcopy(pm)
+    base = pm.get_base_model()
+    p = plan("*.mlp.experts: Experts -> fused_experts\n", base, target=TARGET)
+    (site,) = p.sites
+    assert site.host == site.path + ".base_layer.base_layer"
+    h = apply(p, base, target=TARGET)
+    assert not h.refused
+    inner, depth = peft_param_base(base.get_submodule(site.path))
+    assert depth == 2 and "forward" in inner.__dict__
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+    a, b = pm(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    a.loss.backward()
+    b.loss.backward()
+    assert torch.allclose(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    lora = [(n, p1, p2) for (n, p1), p2 in zip(pm.named_parameters(), ref.parameters()) if "lora_" in n]
+    assert len(lora) == 4
+    for n, p1, p2 in lora:
+        assert p2.grad is not None and p2.grad.abs().max() > 0, n
+        assert torch.allclose(p1.grad, p2.grad, rtol=1e-4, atol=1e-7), n
+    h.undo()
+    assert "forward" not in inner.__dict__

@@ -74,6 +74,13 @@ class FusedExperts(Op):
         parts.append(params["target"])
         return "_".join(str(p) for p in parts)
 
+    def host(self, info: ModuleInfo, index: Any) -> str:
+        """The experts module itself; under PEFT's ParamWrappers (LoRA on the expert parameters), the
+        wrapped module: the wrappers' forwards stay and parametrize its weights (W + BA) around its
+        call, which the fused forward reads at call time."""
+        depth = int(info.facts("Experts").get("peft_depth") or 0)
+        return info.path + ".base_layer" * depth
+
     def misfit(self, info: ModuleInfo, index: Any) -> str | None:
         if not info.facts("Experts").get("top_k"):
             return (f"{info.path} ({info.cls}): its top-k is not known (neither the module's top_k nor its "
@@ -83,7 +90,10 @@ class FusedExperts(Op):
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         import torch
 
+        from .kinds import peft_param_base
+
         where = f"{info.path or '<module>'} ({info.cls})"
+        module, _ = peft_param_base(module)
         f = info.facts("Experts")
         if not f:
             return (f"{where} is not an Experts module (needs 3-D gate_up_proj / down_proj parameters and a "
@@ -97,6 +107,8 @@ class FusedExperts(Op):
         live = recognise(module)
         if live is None:
             return f"{where}: its forward no longer computes the experts it was indexed as; not patched"
+        if getattr(module, "parametrizations", None):
+            return f"{where}: its parameters carry a parametrization outside a PEFT wrapper's call; not patched"
         for k in ("transposed", "layout", "bias", "activation"):
             if live[k] != f[k]:
                 return f"{where}: its {k} is {live[k]}, the plan says {f[k]}; plan again"

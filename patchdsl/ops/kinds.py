@@ -380,6 +380,18 @@ def _expert_params(m: Any) -> dict | None:
     return {"E": E, "orient": orient, "bias": bias}
 
 
+def peft_param_base(m: Any) -> tuple[Any, int]:
+    """(the module under PEFT's ``ParamWrapper`` chain around ``m``, how many wrappers): LoRA on a
+    parameter (``target_parameters``) wraps its module once per targeted parameter; the wrapper's
+    forward parametrizes the inner module's parameter (W + BA) and calls the inner module."""
+    torch = _torch()
+    depth = 0
+    while depth < 8 and "parameter_name" in m.__dict__ and isinstance(m._modules.get("base_layer"), torch.nn.Module):
+        m = m._modules["base_layer"]
+        depth += 1
+    return m, depth
+
+
 def _top_k(m: Any, E: int) -> int | None:
     """The experts' top-k as the model's config says (``num_experts_per_tok``), None if unknown."""
     for v in (m.__dict__.get("top_k"), getattr(getattr(m, "config", None), "num_experts_per_tok", None)):
@@ -398,6 +410,10 @@ def _expert_forward(m: Any):
       "gpt-oss's clamped SwiGLU)")
 def experts(m: Any) -> dict | None:
     torch = _torch()
+    inner, depth = peft_param_base(m)
+    if depth:        # PEFT LoRA on the expert parameters (target_parameters): the wrapped module's facts
+        f = experts(inner)
+        return dict(f, peft_depth=depth) if f else None
     p = _expert_params(m)
     if p is None:
         return None
