@@ -28,6 +28,9 @@
 # By name only (not in "all"): compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
 # (regional) vs patchdsl.compile_model (whole) vs plain torch.compile of the patched model, each in its own process;
 # COMPILE_VARIANTS picks rows, e.g. COMPILE_VARIANTS=compile T_COMPILE_PERF=300 T_VARIANT=280 for torch.compile alone),
+# moe (150 s; bench/moe_bench.py: experts fwd+bwd at the Qwen3-30B-A3B layer shape, patchdsl vs
+# grouped_mm / batched_mm / Liger / matmul floor, then a 4-layer Qwen3-30B-A3B-shaped model 4x2048 default vs patchdsl vs Liger,
+# each in its own process; moe.json / moe.txt),
 # verify_scale (300 s; bench/verify_scale.py: `patchdsl verify` of Phi-3-mini, Mistral-7B, Llama-3.1-8B- and Qwen3-8B-shaped
 # models in bf16, batch 1 x 512, 1 step, built on the GPU, streamed float64 reference; time and peak memory per model),
 # convergence (120 s; bench/convergence.py: Liger-style 32-step convergence test of mini Llama / Qwen3 / Gemma 3 on
@@ -62,7 +65,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="moe compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -149,6 +152,7 @@ for part in $PARTS; do
     compile_perf) lim=$(limit compile_perf 200) ;;
     verify_scale) lim=$(limit verify_scale 300) ;;
     convergence) lim=$(limit convergence 120) ;;
+    moe) lim=$(limit moe 150) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -295,6 +299,12 @@ for part in $PARTS; do
       [ -f "$WORK/$part/$part.txt" ] && cat "$WORK/$part/$part.txt" >>"$WORK/summary.parts"
       v=$(grep -E "^$part: " "$LOG" | tail -n 1)
       status+=("${v:-$part: no verdict line}")
+      ;;
+    moe)   # mixture of experts (issue 24): the experts op and a 4-layer Qwen3-30B-A3B-shaped model
+      mkdir -p "$WORK/moe"
+      run_part moe "$lim" python3 bench/moe_bench.py --out "$WORK/moe" --budget $(( lim - 10 ))
+      [ -f "$WORK/moe/moe.txt" ] && cat "$WORK/moe/moe.txt" >>"$WORK/summary.parts"
+      status+=("moe: $(grep -E '^moe: ' "$LOG" | tail -n 1)")
       ;;
   esac
   pack

@@ -203,7 +203,12 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
             continue
         if not matches:
             if rule.optional:
-                unmatched.append(f"{rule.span.short}: {rule.text}")
+                # say why: the selector may well have matched modules of another kind (MixtralExperts
+                # under 'SwiGLU'); explain_no_match's message and hint tell which and what fits
+                why = explain_no_match(rule, op, index)
+                note = why.message if "matched 0 modules" not in why.message else ""
+                note += (("; " if note else "") + why.hint) if why.hint and note else ""
+                unmatched.append(f"{rule.span.short}: {rule.text}" + (f" ({note})" if note else ""))
                 continue
             errors.append(explain_no_match(rule, op, index))
             continue

@@ -112,6 +112,11 @@ def explain_no_match(rule: Rule, op: Op, index: ModelIndex) -> SpecError:
                     hint = did_you_mean(alt, classes + list(KIND_NAMES))
         if hint is None and kinds_there:
             hint = f"those modules are: {', '.join(kinds_there)}"
+            from .ops.registry import ops as all_ops
+            fitting = sorted({o.name for o in all_ops().values() if not o.any_kind and not o.external
+                              and any(k in kinds_there for k in o.kinds) and "Linear" not in o.kinds})
+            if fitting:
+                hint += f" (ops for them: {', '.join(fitting)})"
         return SpecError(
             f"'{rule.text.split(':')[0].strip()}' matched {len(by_path)} module(s) ({shown}) but none is "
             f"{pat.text} that {op.name} can replace", pat.span, hint=hint)

@@ -31,6 +31,9 @@ SHIPPED = {
     "meta-llama/Llama-3.1-8B": ("LlamaForCausalLM", "llama", 32, 4096, 14336, 32, 8, 128, 128256, False,
                                 8_030_261_248),
     "Qwen/Qwen3-8B": ("Qwen3ForCausalLM", "qwen3", 36, 4096, 12288, 32, 8, 128, 151936, False, 8_190_735_360),
+    # mixture of experts (issue 24): 128 experts, top 8, moe_intermediate 768
+    "Qwen/Qwen3-30B-A3B": ("Qwen3MoeForCausalLM", "qwen3_moe", 48, 2048, 6144, 32, 4, 128, 151936, False,
+                           30_532_122_624),
 }
 
 

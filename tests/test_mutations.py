@@ -87,7 +87,22 @@ def tiny_phi():
     return model
 
 
-MODELS = {"qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "phi": tiny_phi}
+def tiny_qwen3_moe():
+    """Qwen3-MoE (issue 24): 4 experts, top 2, concatenated gate/up, SiLU."""
+    from .moe_families import tiny_moe_model
+
+    return tiny_moe_model("qwen3_moe")
+
+
+def tiny_gpt_oss():
+    """gpt-oss (issue 24): transposed experts, interleaved gate/up, biases, the clamped SwiGLU."""
+    from .moe_families import tiny_moe_model
+
+    return tiny_moe_model("gpt_oss")
+
+
+MODELS = {"qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "phi": tiny_phi, "qwen3_moe": tiny_qwen3_moe,
+          "gpt_oss": tiny_gpt_oss}
 
 SPECS = {
     "fused_rmsnorm": "*.input_layernorm, *.post_attention_layernorm, model.norm: RMSNorm -> fused_rmsnorm\n",
@@ -103,6 +118,7 @@ SPECS = {
     "fused_linear_jsd": "lm_head: Linear -> fused_linear_jsd(chunk=16)\n",
     # emulated: the recipe's numerics on the CPU (fp8 matmuls are refused off Hopper); verify's floor is the recipe's
     "fp8_linear": "*.mlp.{gate_proj,up_proj,down_proj}, *.self_attn.{q_proj,o_proj}: Linear -> fp8_linear(emulate=true)\n",
+    "fused_experts": "*.mlp.experts: Experts -> fused_experts\n",
 }
 
 
@@ -316,6 +332,25 @@ ALL_MUTATIONS = [
     Mutation("fp8_linear", "weight_scale_not_inverted",
              (Edit(r"y = scaled_mm\(xq, xs, wq, ws,", "y = scaled_mm(xq, xs, wq, ws.reciprocal(),",
                    r"^def fp8_linear_forward\("),), dtype="fp32", expect=("output",)),
+    # ---- fused_experts (issue 24; Qwen3-MoE: 4 experts top 2; gpt-oss: transposed, interleaved, biases, clamp)
+    Mutation("fused_experts", "dgate_sign",
+             (Edit(r"s \* \(1\.0 \+ g \* \(1\.0 - s\)\)", "s * (1.0 - g * (1.0 - s))", r"^def _act_grad\("),),
+             model="qwen3_moe", expect=("grad_input", "grad_gate_up_proj")),
+    Mutation("fused_experts", "routing_weight_ignored",
+             (Edit(r"acc = acc \* w\[:, None\]", "acc = acc", r"^def _down_kernel\("),),
+             model="qwen3_moe", expect=("output",)),
+    Mutation("fused_experts", "router_grad_dropped",
+             (Edit(r"dw_sorted = dwp\.sum\(0\)", "dw_sorted = dwp.sum(0) * 0.0", r"^def experts_backward\("),),
+             model="qwen3_moe", expect=("grad_top_k_weights",)),
+    Mutation("fused_experts", "dw_down_halved",
+             (Edit(r"tl\.store\(out, acc\.to\(", "tl.store(out, (acc * 0.5).to(", r"^def _dw_down_kernel\("),),
+             model="qwen3_moe", dtype="fp32", expect=("grad_down_proj",)),
+    Mutation("fused_experts", "up_plus_one_dropped",
+             (Edit(r"return \(uc \+ 1\.0\) \* \(gc", "return (uc) * (gc", r"^def _act\("),),
+             model="gpt_oss", expect=("output",)),
+    Mutation("fused_experts", "gate_up_bias_grad_dropped",
+             (Edit(r"sg\.to\(DGUB", "(sg * 0.0).to(DGUB", r"^def _dw_up_kernel\("),),
+             model="gpt_oss", dtype="fp32", expect=("grad_gate_up_proj_bias",)),
     # ---- fused_geglu (Gemma 3: tanh GELU)
     Mutation("fused_geglu", "dup_without_activation",
              (Edit(r"\(dy \* a\)", "(dy * g)", GLU_BWD),), model="gemma3", expect=("grad_up_proj.weight",)),

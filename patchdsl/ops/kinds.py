@@ -287,3 +287,272 @@ def decoder_layer(m: Any) -> dict | None:
         return None
     layout = "sandwich" if hasattr(m, "pre_feedforward_layernorm") else "prenorm"
     return {"hidden": f["hidden"], "eps": f["eps"], "offset": f["offset"], "casting": f["casting"], "layout": layout}
+
+
+# ==================================================================================================
+# Mixture of experts (issue 24): the experts module and the sparse MoE block.
+# ==================================================================================================
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_clamp")
+
+
+def expert_gate_reference(gate: Any, up: Any, activation: str, alpha: float | None = None,
+                          limit: float | None = None) -> Any:
+    """act(gate) * up of one expert's projections in plain torch (any dtype); ``swiglu_clamp`` is
+    gpt-oss's ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``."""
+    torch = _torch()
+    F = torch.nn.functional
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == "swiglu_clamp":
+        g = gate.clamp(max=limit)
+        u = up.clamp(min=-limit, max=limit)
+        return (u + 1) * (g * torch.sigmoid(g * alpha))
+    raise ValueError(f"unknown expert activation {activation!r}")
+
+
+def experts_reference(hidden: Any, top_k_index: Any, top_k_weights: Any, gate_up: Any, down: Any,
+                      gate_up_bias: Any, down_bias: Any, facts: Mapping[str, Any]) -> Any:
+    """What an ``Experts`` module with ``facts`` computes, written densely (every expert on every
+    token, masked by the routing): ``sum_k w[t,k] * (act(x W_gu[e] + b) W_d[e] + b_d)`` with
+    ``e = top_k_index[t,k]``.  Plain torch, differentiable, any dtype; the test reference and the
+    probe's candidate."""
+    torch = _torch()
+    E = gate_up.shape[0]
+    gu_w = gate_up if facts["transposed"] else gate_up.transpose(1, 2)        # [E, H, 2I]
+    d_w = down if facts["transposed"] else down.transpose(1, 2)                # [E, I, H]
+    gu = torch.einsum("th,ehn->ten", hidden, gu_w)                             # [T, E, 2I]
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias
+    if facts["layout"] == "interleaved":
+        gate, up = gu[..., ::2], gu[..., 1::2]
+    else:
+        gate, up = gu.chunk(2, dim=-1)
+    h = expert_gate_reference(gate, up, facts["activation"], facts.get("alpha"), facts.get("limit"))
+    y = torch.einsum("tei,eih->teh", h, d_w)                                   # [T, E, H]
+    if down_bias is not None:
+        y = y + down_bias
+    dense_w = torch.zeros(hidden.shape[0], E, dtype=top_k_weights.dtype, device=hidden.device)
+    dense_w = dense_w.scatter_add(1, top_k_index.long(), top_k_weights)
+    return torch.einsum("te,teh->th", dense_w.to(y.dtype), y)
+
+
+def _expert_params(m: Any) -> dict | None:
+    torch = _torch()
+    gu, dn = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj")
+    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3 or dn.dim() != 3:
+        return None
+    if gu.shape[0] != dn.shape[0]:
+        return None
+    E = int(gu.shape[0])
+    orient = []
+    declared = m.__dict__.get("is_transposed")
+    for tr in ((declared,) if isinstance(declared, bool) else (False, True)):
+        if tr:   # gate_up [E, H, 2I], down [E, I, H]
+            h, i2, i, h2 = gu.shape[1], gu.shape[2], dn.shape[1], dn.shape[2]
+        else:    # gate_up [E, 2I, H], down [E, H, I]
+            i2, h, h2, i = gu.shape[1], gu.shape[2], dn.shape[1], dn.shape[2]
+        if h == h2 and i2 == 2 * i and i > 0:
+            orient.append((tr, int(h), int(i)))
+    if not orient:
+        return None
+    gb, db = m._parameters.get("gate_up_proj_bias"), m._parameters.get("down_proj_bias")
+    bias = isinstance(gb, torch.Tensor) and isinstance(db, torch.Tensor)
+    if (gb is None) != (db is None):
+        return None
+    return {"E": E, "orient": orient, "bias": bias}
+
+
+def peft_param_base(m: Any) -> tuple[Any, int]:
+    """(the module under PEFT's ``ParamWrapper`` chain around ``m``, how many wrappers): LoRA on a
+    parameter (``target_parameters``) wraps its module once per targeted parameter; the wrapper's
+    forward parametrizes the inner module's parameter (W + BA) and calls the inner module."""
+    torch = _torch()
+    depth = 0
+    while depth < 8 and "parameter_name" in m.__dict__ and isinstance(m._modules.get("base_layer"), torch.nn.Module):
+        m = m._modules["base_layer"]
+        depth += 1
+    return m, depth
+
+
+def _top_k(m: Any, E: int) -> int | None:
+    """The experts' top-k as the model's config says (``num_experts_per_tok``), None if unknown."""
+    for v in (m.__dict__.get("top_k"), getattr(getattr(m, "config", None), "num_experts_per_tok", None)):
+        if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= E:
+            return int(v)
+    return None
+
+
+def _expert_forward(m: Any):
+    fwd = type(m).forward
+    return getattr(fwd, "__wrapped__", fwd)    # the eager loop, not the registry's dispatch
+
+
+@kind("Experts", "3-D expert weights, forward(hidden, top_k_index, top_k_weights): concatenated or "
+      "interleaved gate/up, transposed or not, optional biases; activation probed (silu, gelu, gelu_tanh, "
+      "gpt-oss's clamped SwiGLU)")
+def experts(m: Any) -> dict | None:
+    torch = _torch()
+    inner, depth = peft_param_base(m)
+    if depth:        # PEFT LoRA on the expert parameters (target_parameters): the wrapped module's facts
+        f = experts(inner)
+        return dict(f, peft_depth=depth) if f else None
+    p = _expert_params(m)
+    if p is None:
+        return None
+    acts: list[tuple[str, float | None, float | None]] = []
+    act = getattr(m, "act_fn", None)
+    name = _activation(act) if act is not None else None
+    if name is not None:
+        acts.append((name, None, None))
+    alpha, limit = m.__dict__.get("alpha"), m.__dict__.get("limit")
+    if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)) and not isinstance(alpha, bool):
+        acts.append(("swiglu_clamp", float(alpha), float(limit)))
+    if not acts:
+        return None
+    E = p["E"]
+    fwd = _expert_forward(m)
+    g = torch.Generator().manual_seed(11)
+    T, h, i, k = 6, 8, 4, min(2, E)
+    x = torch.randn(T, h, generator=g, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g, dtype=torch.float64)
+    for tr, H, I in p["orient"]:
+        gu = torch.randn((E, h, 2 * i) if tr else (E, 2 * i, h), generator=g, dtype=torch.float64) * 0.7
+        dn = torch.randn((E, i, h) if tr else (E, h, i), generator=g, dtype=torch.float64) * 0.5
+        params = {"gate_up_proj": gu, "down_proj": dn}
+        gb = db = None
+        if p["bias"]:
+            gb = torch.randn(E, 2 * i, generator=g, dtype=torch.float64) * 0.3
+            db = torch.randn(E, h, generator=g, dtype=torch.float64) * 0.3
+            params.update(gate_up_proj_bias=gb, down_proj_bias=db)
+        clone = stand_in(m, modules=dict(m._modules), **params)     # act_fn etc. are stateless children
+        for a in ("hidden_dim", "hidden_size"):
+            if isinstance(clone.__dict__.get(a), int):
+                clone.__dict__[a] = h
+        for a in ("intermediate_dim", "intermediate_size"):
+            if isinstance(clone.__dict__.get(a), int):
+                clone.__dict__[a] = i
+        try:
+            with torch.no_grad():
+                out = fwd(clone, x.clone(), idx.clone(), w.clone())
+        except Exception:
+            continue
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+            continue
+        for layout in ("concat", "interleaved"):
+            for an, al, li in acts:
+                facts = {"transposed": tr, "layout": layout, "activation": an, "alpha": al, "limit": li}
+                ref = experts_reference(x, idx, w, gu, dn, gb, db, facts)
+                if torch.allclose(out, ref, rtol=1e-9, atol=1e-10):
+                    return {"experts": E, "hidden": H, "intermediate": I, "transposed": tr, "layout": layout,
+                            "bias": p["bias"], "activation": an, "alpha": al, "limit": li, "top_k": _top_k(m, E)}
+    return None
+
+
+MOE_ROUTER_NAMES = ("gate", "router")
+MOE_SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+
+
+def _router_candidates(r: Any, x: Any, wt: Any, bias: Any, facts: Mapping[str, Any]):
+    """(name, extra facts, weights, indices) of each routing formula for ``r``'s attributes."""
+    torch = _torch()
+    logits = torch.nn.functional.linear(x, wt, bias)
+    k = facts["top_k"]
+    out = []
+    probs = torch.softmax(logits, dim=-1)
+    v, ix = torch.topk(probs, k, dim=-1)
+    out.append(("softmax_topk", {"norm_topk": False}, v, ix))
+    out.append(("softmax_topk", {"norm_topk": True}, v / v.sum(-1, keepdim=True), ix))
+    v2, ix2 = torch.topk(logits, k, dim=-1)
+    out.append(("topk_softmax", {"norm_topk": True}, torch.softmax(v2, dim=-1), ix2))
+    ng, tg = r.__dict__.get("num_group") or r.__dict__.get("n_group"), r.__dict__.get("topk_group")
+    corr = getattr(r, "e_score_correction_bias", None)
+    if isinstance(ng, int) and isinstance(tg, int) and isinstance(corr, torch.Tensor):
+        E = logits.shape[-1]
+        scores = logits.sigmoid()
+        choice = scores + facts["_corr"]
+        gs = choice.view(-1, ng, E // ng).topk(min(2, E // ng), dim=-1)[0].sum(-1)
+        gidx = torch.topk(gs, k=tg, dim=-1, sorted=False)[1]
+        gmask = torch.zeros_like(gs).scatter_(1, gidx, 1)
+        smask = gmask.unsqueeze(-1).expand(-1, ng, E // ng).reshape(-1, E)
+        choice = choice.masked_fill(~smask.bool(), float("-inf"))
+        ix3 = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
+        w3 = scores.gather(1, ix3)
+        sf = float(r.__dict__.get("routed_scaling_factor", 1.0) or 1.0)
+        for norm in (True, False):
+            ww = w3 / (w3.sum(-1, keepdim=True) + 1e-20) if norm else w3
+            out.append(("sigmoid_grouped", {"norm_topk": norm, "n_group": ng, "topk_group": tg,
+                                            "scaling": sf}, ww * sf, ix3))
+    return out
+
+
+@kind("MoEBlock", "a sparse MoE block: a router (softmax or sigmoid, top-k, DeepSeek-V3 grouped top-k with "
+      "score-correction bias; probed), an Experts module and optional shared experts")
+def moe_block(m: Any) -> dict | None:
+    torch = _torch()
+    ex = m._modules.get("experts")
+    if ex is None or _expert_params(ex) is None:
+        return None
+    fe = experts(ex)
+    if not fe:
+        return None
+    rname = next((n for n in MOE_ROUTER_NAMES if isinstance(m._modules.get(n), torch.nn.Module)), None)
+    if rname is None:
+        return None
+    r = m._modules[rname]
+    w = r._parameters.get("weight")
+    if w is None:
+        lin = linear_like(r)
+        w = lin.weight if lin is not None else None
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] != fe["experts"]:
+        return None
+    k = r.__dict__.get("top_k") or m.__dict__.get("top_k")
+    cfg = getattr(m, "config", None) or getattr(r, "config", None)
+    if not isinstance(k, int) and cfg is not None:
+        k = getattr(cfg, "num_experts_per_tok", None)
+    if not isinstance(k, int) or not 0 < k <= fe["experts"]:
+        return None
+    facts: dict[str, Any] = {"experts": fe["experts"], "top_k": int(k), "hidden": fe["hidden"], "router": rname,
+                             "scoring": "unknown", "norm_topk": None}
+    E, h = fe["experts"], int(w.shape[1])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, h, generator=g, dtype=torch.float64)
+    wt = torch.randn(E, h, generator=g, dtype=torch.float64)
+    params = {"weight": wt}
+    b = r._parameters.get("bias")
+    bt = None
+    if isinstance(b, torch.Tensor):
+        bt = torch.randn(E, generator=g, dtype=torch.float64) * 0.1
+        params["bias"] = bt
+    corr = torch.randn(E, generator=g, dtype=torch.float64) * 0.05
+    facts["_corr"] = corr
+    if isinstance(r, torch.nn.Linear):
+        facts["scoring"] = "linear"     # the block's own forward does the routing (not probed)
+    else:
+        clone = stand_in(r, **params)
+        if isinstance(getattr(r, "e_score_correction_bias", None), torch.Tensor):
+            clone._buffers["e_score_correction_bias"] = corr
+        try:
+            with torch.no_grad():
+                out = type(r).forward(clone, x.clone())
+        except Exception:
+            out = None
+        if isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out):
+            _, ow, oi = out
+            for name, extra, cw, ci in _router_candidates(r, x, wt, bt, facts):
+                if ci.shape == oi.shape and torch.equal(torch.sort(ci, -1)[0], torch.sort(oi, -1)[0]):
+                    order_o, order_c = torch.argsort(oi, -1), torch.argsort(ci, -1)
+                    if torch.allclose(ow.double().gather(1, order_o), cw.gather(1, order_c), rtol=1e-6, atol=1e-9):
+                        facts["scoring"] = name
+                        facts.update(extra)
+                        break
+    facts.pop("_corr")
+    shared = next((n for n in MOE_SHARED_NAMES if isinstance(m._modules.get(n), torch.nn.Module)), None)
+    facts["shared"] = shared
+    facts["shared_gate"] = isinstance(m._modules.get("shared_expert_gate"), torch.nn.Module)
+    facts["activation"] = fe["activation"]
+    return facts

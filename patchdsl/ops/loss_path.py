@@ -180,7 +180,9 @@ class ForwardShape:
                            "its loss cannot be reproduced")
             return
         tree = ast.parse(src)
-        self.reason = self._analyse(tree) or self._head(tree)
+        # MoE (issue 24): the auxiliary load-balancing loss block, replayed by the fused forward
+        self.aux, why = read_router_loss(tree.body[0], self.func.__globals__, cls.__name__)
+        self.reason = why or self._analyse(tree) or self._head(tree)
 
     @property
     def applies_softcap(self) -> bool:
@@ -189,7 +191,7 @@ class ForwardShape:
     def _head(self, tree: ast.Module) -> str | None:
         """Read the steps between the decoder body and the loss into ``self.steps``; the reason
         when one of them is not a step the fused loss reproduces."""
-        steps, why = _read_head(tree.body[0], self.cls.__name__)
+        steps, why = _read_head(tree.body[0], self.cls.__name__, self.aux["var"] if self.aux else None)
         self.steps = steps
         return why
 
@@ -203,11 +205,12 @@ class ForwardShape:
         model_calls = []
         for node in ast.walk(fn):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-                if node.attr not in SELF_ATTRS:
+                if node.attr not in SELF_ATTRS and not (self.aux and node.attr in MOE_SELF_ATTRS):
                     return f"{name}.forward uses self.{node.attr}, which the fused loss does not reproduce"
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
-                    and node.value.attr == "config" and node.attr not in CONFIG_ATTRS):
+                    and node.value.attr == "config" and node.attr not in CONFIG_ATTRS
+                    and not (self.aux and node.attr in MOE_CONFIG_ATTRS)):
                 return f"{name}.forward reads config.{node.attr}, which the fused loss does not reproduce"
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
@@ -299,7 +302,7 @@ def _is_tanh(e: ast.expr) -> ast.expr | None:
     return None
 
 
-def _read_head(fn: ast.AST, name: str) -> tuple[list[tuple[str, str, str]], str | None]:
+def _read_head(fn: ast.AST, name: str, aux_var: str | None = None) -> tuple[list[tuple[str, str, str]], str | None]:
     """The steps of ``fn`` (a causal LM's forward) from its body's output to its loss.
 
     Every assignment to ``hidden_states``, to the variable the lm_head call is assigned to and to
@@ -350,6 +353,9 @@ def _read_head(fn: ast.AST, name: str) -> tuple[list[tuple[str, str, str]], str 
         if var == "loss":
             if isinstance(value, ast.Constant) and value.value is None:
                 continue
+            if aux_var is not None and isinstance(n, ast.AugAssign) and _is_aux_term(n, aux_var):
+                continue                           # the MoE router loss (read_router_loss), replayed
+
             if (isinstance(value, ast.Call) and _src(value.func) == "self.loss_function"):
                 first = value.args[0] if value.args else next((k.value for k in value.keywords if k.arg == "logits"), None)
                 if first is None or not (isinstance(_strip_casts(first), ast.Name) and _strip_casts(first).id == lv):
@@ -422,6 +428,78 @@ def _read_head(fn: ast.AST, name: str) -> tuple[list[tuple[str, str, str]], str 
 def _is_var(e: ast.expr, name: str) -> bool:
     e = _strip_casts(e)
     return isinstance(e, ast.Name) and e.id == name
+
+
+# ---- MoE: the router's auxiliary load-balancing loss (issue 24) --------------------------------
+# Every transformers MoE causal LM (Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss, GraniteMoE, ...) ends its
+# forward with
+#     output_router_logits = output_router_logits if output_router_logits is not None else self.config.output_router_logits
+#     ...
+#     aux_loss = None
+#     if output_router_logits:
+#         aux_loss = load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+#         if labels is not None:
+#             loss += self.router_aux_loss_coef * aux_loss.to(loss.device)
+# The fused forward replays exactly that: the same function (the forward module's own), the same
+# arguments read from the same places, the same coefficient.
+MOE_SELF_ATTRS = {"router_aux_loss_coef", "num_experts", "num_experts_per_tok"}
+MOE_CONFIG_ATTRS = {"output_router_logits"}
+_AUX_ARGS = {"self.num_experts", "self.num_experts_per_tok", "attention_mask", "self.config.num_experts",
+             "self.config.num_local_experts", "self.config.num_experts_per_tok"}
+
+
+def read_router_loss(fn: ast.AST, globals_: Mapping[str, Any], name: str) -> tuple[dict | None, str | None]:
+    """({"func", "args", "var"}, None) when ``fn`` adds the known MoE auxiliary loss (see above),
+    (None, None) when it has no router loss, (None, reason) for one the fused loss cannot replay."""
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and n.args
+             and isinstance(n.args[0], ast.Attribute) and n.args[0].attr == "router_logits"]
+    if not calls:
+        return None, None
+    if len(calls) != 1 or not isinstance(calls[0].func, ast.Name):
+        return None, f"{name}.forward computes its router loss in a way the fused loss does not replay"
+    call = calls[0]
+    args = [_src(a) for a in call.args[1:]]
+    if call.keywords or any(a not in _AUX_ARGS for a in args):
+        return None, (f"{name}.forward calls {_src(call.func)}({', '.join(_src(a) for a in call.args)}), "
+                      "arguments the fused loss does not replay")
+    func = globals_.get(call.func.id)
+    if not callable(func):
+        return None, f"{name}.forward's router loss function {call.func.id} cannot be found"
+    assign = next((n for n in ast.walk(fn) if isinstance(n, ast.Assign) and n.value is call
+                   and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)), None)
+    if assign is None:
+        return None, f"{name}.forward does not assign its router loss to a variable"
+    var = assign.targets[0].id
+    adds = [n for n in ast.walk(fn) if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
+            and n.target.id == "loss"]
+    if len(adds) != 1 or not _is_aux_term(adds[0], var):
+        return None, f"{name}.forward adds its router loss {var} to the loss in a way the fused loss does not replay"
+    return {"func": func, "args": args, "var": var}, None
+
+
+def _is_aux_term(n: ast.AugAssign, var: str) -> bool:
+    """``loss += self.router_aux_loss_coef * <var>`` (a ``.to(...)`` on ``var`` allowed)."""
+    v = n.value
+    if not isinstance(n.op, ast.Add) or not isinstance(v, ast.BinOp) or not isinstance(v.op, ast.Mult):
+        return False
+    if _src(v.left) != "self.router_aux_loss_coef":
+        return False
+    r = v.right
+    if isinstance(r, ast.Call) and isinstance(r.func, ast.Attribute) and r.func.attr == "to":
+        r = r.func.value
+    return isinstance(r, ast.Name) and r.id == var
+
+
+def router_loss(host: Any, shape: "ForwardShape", outputs: Any, a: Mapping[str, Any]) -> Any:
+    """The auxiliary loss the host's forward would add (None when output_router_logits is off)."""
+    aux = shape.aux
+    if not aux or not a.get("output_router_logits"):
+        return None
+    router_logits = outputs.get("router_logits") if hasattr(outputs, "get") else getattr(outputs, "router_logits", None)
+    if router_logits is None:        # a body that recorded none (HF's function would return the int 0)
+        return None
+    args = [a.get(src) if not src.startswith("self.") else _read_value(host, src) for src in aux["args"]]
+    return aux["func"](router_logits, *args)
 
 
 def _read_value(host: Any, source: str) -> Any:
@@ -540,6 +618,9 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
         what = transforms_logits(t)
         if what:
             return f"the forward transforms the logits ({what}), which {op} does not reproduce"
+        if forward_shape(type(host)).aux:
+            return (f"the forward adds the MoE router's auxiliary loss (output_router_logits), which {op} does "
+                    "not reproduce; use fused_linear_cross_entropy")
     return None
 
 
@@ -717,6 +798,8 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
         if lm.weight.dtype not in supported:
             return original(self, *args, **kwargs)
         a.pop("labels", None)
+        if shape.aux and a.get("output_router_logits") is None:     # as the original forward resolves it
+            a["output_router_logits"] = self.config.output_router_logits
         outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra)
         hidden = slice_hidden(hidden, logits_to_keep)
         if shift is None:
@@ -750,6 +833,10 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
             loss = kernels(logits.dtype).cross_entropy(logits.reshape(-1, logits.shape[-1]), shift.reshape(-1),
                                                        num_items)
         rest = _body_fields(outputs, shape)
+        aux_loss = router_loss(self, shape, outputs, a)
+        if aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+            rest["aux_loss"] = aux_loss
         out = shape.output_cls(loss=loss, logits=logits, **rest)
         return out if return_dict else out.to_tuple()
 

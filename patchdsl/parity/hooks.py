@@ -162,7 +162,11 @@ def primary_input(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
 def base_stub(hidden: Any) -> Any:
     """A module standing in for a causal LM's base model: returns ``hidden`` as the last hidden state."""
     import torch
-    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    try:     # a superset of BaseModelOutputWithPast: MoE causal LMs also read .router_logits (None here)
+        from transformers.modeling_outputs import MoeModelOutputWithPast as BaseModelOutputWithPast
+    except ImportError:  # pragma: no cover - older transformers
+        from transformers.modeling_outputs import BaseModelOutputWithPast
 
     class BaseModelStub(torch.nn.Module):
         def __init__(self, h):

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from .compare import Errors, Tolerance, errors, judge, tolerance_for
 from .hooks import Capture, cast_to, run_host, run_site
+from .moe import eager_experts, is_routed_call, routing_grads
 from .reference import float64_mode
 from .report import Check, ParityReport
 from .stream import (MODES, Float64Tally, StreamedReference, VerifyOutOfMemory, choose, decoder_layers, estimate,
@@ -51,7 +52,7 @@ def _prepare(model: Any, dtype: Any, device: Any) -> Any:
 
     model.to(device=device, dtype=dtype)
     if dtype == torch.float64:
-        _eager_experts(model)
+        eager_experts(model)    # MoE: the float64 reference must not go through grouped_mm (see .moe)
     model.train()
     for m in model.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
@@ -63,19 +64,6 @@ def _prepare(model: Any, dtype: Any, device: Any) -> Any:
     for p in model.parameters():
         p.grad = None
     return model
-
-
-def _eager_experts(model: Any) -> None:
-    """The float64 reference computes MoE experts with transformers' eager loop: its default
-    ``grouped_mm`` takes no float64 (the models under test keep their own implementation)."""
-    cfg = getattr(model, "config", None)
-    setter = getattr(model, "set_experts_implementation", None)
-    if setter is None or getattr(cfg, "_experts_implementation", None) in (None, "eager"):
-        return
-    try:
-        setter("eager")
-    except Exception:       # a version or model without a switchable implementation: left as it is
-        pass
 
 
 def _vocab(model: Any) -> int:
@@ -441,6 +429,16 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
                     res["ref"] = run_host(h64, mod, s.host, c, torch.float64, device, upstream, is_lm,
                                           float64_mode())
                     del h64, mod
+            if not is_lm and is_routed_call(c):     # MoE experts: the router's gradient too (see .moe)
+                if ref is not None:
+                    res["ref"].update(routing_grads(ref, s.path, c, torch.float64, device, upstream, _ctx(ref)))
+                else:
+                    with stream.host(s.host) as (h64, hp):
+                        res["ref"].update(routing_grads(h64, s.path[len(hp) + 1:] if hp else s.path, c,
+                                                        torch.float64, device, upstream, float64_mode()))
+                        del h64
+                for name, m in (("hf", hf), ("patched", patched)):
+                    res[name].update(routing_grads(m, s.path, c, dt, device, upstream, _ctx(m)))
             for q in res["ref"]:
                 rv, hv, pv = res["ref"][q], res["hf"].get(q), res["patched"].get(q)
                 if rv is None and pv is None:

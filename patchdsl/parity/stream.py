@@ -125,8 +125,11 @@ def f64_copy(module: Any, device: Any, tally: Float64Tally | None) -> Any:
     """A float64 copy of ``module`` on ``device`` (gradients are not copied; dropout stays as set)."""
     import torch
 
+    from .moe import eager_experts
+
     c = copy.deepcopy(module)
     c.to(device=device, dtype=torch.float64)
+    eager_experts(c)            # MoE: a float64 copy must not go through grouped_mm (see .moe)
     for p in c.parameters():
         p.grad = None
     if tally is not None:

@@ -1,0 +1,361 @@
+"""MoE benchmark (issue 24), the `moe` part of bench/gpu_all.sh.
+
+ops: the experts' forward + backward at the Qwen3-30B-A3B layer shape (hidden 2048, 128 experts, top 8,
+     moe_intermediate 768, 16k tokens, bf16), one process: patchdsl's fused_experts, transformers'
+     grouped_mm and batched_mm experts (skipped with the reason when its gathered weights cannot fit),
+     Liger's fused MoE (LigerFusedMoEFunction, when liger-kernel has it), and the matmul floor (the same
+     FLOPs as dense torch.mm: 2 GEMMs forward, 4 backward).
+e2e: a 4-layer Qwen3-30B-A3B-shaped model (32/4 heads, head_dim 128, vocab 151936) built on the GPU (meta
+     device, to_empty, init there), batch 4 x 2048, AdamW, bf16, sdpa; default (grouped_mm experts) vs
+     patchdsl (specs/qwen3_moe.kpatch) vs Liger (apply_liger_kernel_to_qwen3_moe), each in its own process.
+
+    python bench/moe_bench.py --out DIR [--budget 140] [--what ops,e2e]
+
+Writes DIR/moe.json and DIR/moe.txt (the table) and prints a one-line verdict last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = dict(tokens=16384, hidden=2048, experts=128, top_k=8, inter=768)
+SWEEP = ({"BM": 64, "BN": 64, "BK": 64, "num_warps": 4}, {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8},
+         {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4})
+E2E = dict(batch=4, seq=2048, layers=4, warmup=2, steps=5)
+
+
+DEV = "cuda"
+TARGET = "cuda"
+
+
+def _time_cuda(fn, reps=10, warmup=3):
+    import torch
+
+    if DEV == "cpu":          # --cpu-dry: one call, wall time (checks the code path, not a measurement)
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def _experts_module(dev, dt):
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=SHAPE["hidden"], num_experts=SHAPE["experts"],
+                               num_experts_per_tok=SHAPE["top_k"], moe_intermediate_size=SHAPE["inter"])
+    with torch.device("meta"):
+        m = Qwen3MoeExperts(cfg)
+    m.to_empty(device=dev)
+    with torch.no_grad():
+        m.gate_up_proj.normal_(0, 0.02)
+        m.down_proj.normal_(0, 0.02)
+    return m.to(dt), cfg
+
+
+def run_ops(budget: float) -> list[dict]:
+    import torch
+
+    dev, dt = DEV, (torch.bfloat16 if DEV == "cuda" else torch.float32)
+    T, H, E, K, I = (SHAPE[k] for k in ("tokens", "hidden", "experts", "top_k", "inter"))
+    g = torch.Generator(device=dev).manual_seed(0)
+    x0 = torch.randn(T, H, device=dev, dtype=dt, generator=g)
+    router = torch.randn(E, H, device=dev, dtype=dt, generator=g) * 0.02
+    probs = torch.softmax((x0 @ router.t()).float(), -1)
+    w0, idx = torch.topk(probs, K, -1)
+    w0 = (w0 / w0.sum(-1, keepdim=True)).to(dt)
+    dy = torch.randn(T, H, device=dev, dtype=dt, generator=g)
+    mod, cfg = _experts_module(dev, dt)
+    rows = []
+    t_end = time.time() + budget
+
+    def case(name, fwd, params):
+        if time.time() > t_end:
+            rows.append({"impl": name, "skipped": "budget"})
+            return
+        x = x0.detach().clone().requires_grad_(True)
+        w = w0.detach().clone().requires_grad_(True)
+
+        def step():
+            for p in params:
+                p.grad = None
+            out = fwd(x, idx, w)
+            out.backward(dy)
+        try:
+            cuda = dev == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if cuda else 0
+            ms = _time_cuda(step)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
+            # fwd alone
+            with torch.no_grad():
+                fms = _time_cuda(lambda: fwd(x, idx, w))
+            rows.append({"impl": name, "fwd_bwd_ms": ms, "fwd_ms": fms, "extra_peak_gib": peak})
+        except torch.cuda.OutOfMemoryError as e:
+            rows.append({"impl": name, "skipped": f"out of memory ({str(e)[:80]})"})
+        except Exception as e:
+            rows.append({"impl": name, "skipped": f"{type(e).__name__}: {str(e)[:160]}"})
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+    params = [mod.gate_up_proj, mod.down_proj]
+    for p in params:
+        p.requires_grad_(True)
+    # patchdsl
+    try:
+        from patchdsl.codegen.cache import load_kernel
+        from patchdsl.codegen.keys import KernelKey
+        from patchdsl.ops.base import ModuleInfo
+        from patchdsl.ops.kinds import experts as recognise
+        from patchdsl.ops.registry import get_op
+
+        op = get_op("fused_experts")
+        facts = recognise(mod)
+        info = ModuleInfo("experts", type(mod).__name__, (), {"Experts": facts})
+        params_k = op.key_params(info, {}, "bf16" if dev == "cuda" else "fp32", TARGET)
+        kmod = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params_k), params_k))
+        case("patchdsl", lambda x, i, w: kmod.experts(x, i, w, mod.gate_up_proj, mod.down_proj), params)
+        rows[-1]["tiles"] = {k: params_k[k] for k in ("BM", "BN", "BK", "num_warps", "num_stages")}
+        # correctness at this shape against grouped_mm (bf16 both; relative Frobenius error)
+        with torch.no_grad():
+            from transformers.integrations.moe import grouped_mm_experts_forward
+            a = kmod.experts(x0[:4096], idx[:4096], w0[:4096], mod.gate_up_proj, mod.down_proj).float()
+            b = grouped_mm_experts_forward(mod, x0[:4096], idx[:4096], w0[:4096]).float()
+            rows[-1]["rel_err_vs_grouped_mm"] = float((a - b).norm() / b.norm())
+        # a few other tilings (the op's block_m flag and template parameters), for the next default
+        if dev == "cuda":
+            for tiles in SWEEP:
+                if time.time() > t_end - 15:
+                    break
+                pk = {**params_k, **tiles}
+                km = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(pk), pk))
+                tag = "patchdsl[" + ",".join(f"{k}={v}" for k, v in tiles.items()) + "]"
+                case(tag, lambda x, i, w, km=km: km.experts(x, i, w, mod.gate_up_proj, mod.down_proj), params)
+                rows[-1]["tiles"] = tiles
+    except Exception as e:
+        rows.append({"impl": "patchdsl", "skipped": f"{type(e).__name__}: {str(e)[:200]}"})
+    # transformers
+    try:
+        from transformers.integrations import moe as hf_moe
+
+        case("grouped_mm", lambda x, i, w: hf_moe.grouped_mm_experts_forward(mod, x, i, w), params)
+        need = T * K * (2 * I * H + H * I) * 2 / 2**30
+        free = torch.cuda.mem_get_info()[0] / 2**30 if dev == "cuda" else 1.0
+        if need > 0.8 * free:
+            rows.append({"impl": "batched_mm", "skipped": f"gathers {need:.0f} GiB of expert weights (free {free:.0f} GiB)"})
+        else:
+            case("batched_mm", lambda x, i, w: hf_moe.batched_mm_experts_forward(mod, x, i, w), params)
+    except Exception as e:
+        rows.append({"impl": "transformers", "skipped": f"{type(e).__name__}: {str(e)[:200]}"})
+    # Liger
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        case("liger", lambda x, i, w: LigerFusedMoEFunction.apply(x, mod.gate_up_proj, mod.down_proj, i, w), params)
+    except ImportError as e:
+        rows.append({"impl": "liger", "skipped": f"not installed ({e})"})
+    # matmul floor: the same FLOPs as dense GEMMs (S = T*K rows)
+    S = T * K
+    a = torch.randn(S, H, device=dev, dtype=dt)
+    wgu = torch.randn(H, 2 * I, device=dev, dtype=dt)
+    hmid = torch.randn(S, I, device=dev, dtype=dt)
+    wd = torch.randn(I, H, device=dev, dtype=dt)
+    dout = torch.randn(S, H, device=dev, dtype=dt)
+    dgu = torch.randn(S, 2 * I, device=dev, dtype=dt)
+    f_ms = _time_cuda(lambda: (a @ wgu, hmid @ wd))
+    fb_ms = _time_cuda(lambda: (a @ wgu, hmid @ wd, dout @ wd.t(), dout.t() @ hmid, dgu @ wgu.t(), a.t() @ dgu))
+    flops_fb = 6 * 2 * S * H * I * 1.0 * 3 / 3     # fwd 2*S*H*2I + 2*S*I*H = 6SHI; fwd+bwd = 3x
+    rows.append({"impl": "matmul floor", "fwd_bwd_ms": fb_ms, "fwd_ms": f_ms,
+                 "tflops_fwd_bwd": 3 * 6 * S * H * I / (fb_ms * 1e-3) / 1e12})
+    del flops_fb
+    return rows
+
+
+def build_model(dt):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=2048, num_hidden_layers=E2E["layers"], num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                               moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+                               max_position_embeddings=4096, norm_topk_prob=True, decoder_sparse_step=1,
+                               mlp_only_layers=[], tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
+    rot = model.model.rotary_emb
+    model.model.rotary_emb = type(rot)(config=model.config, device="cuda")
+    return model.to(dt)
+
+
+def run_e2e_worker(impl: str) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    t0 = time.time()
+    model = build_model(torch.bfloat16)
+    build_s = time.time() - t0
+    note = ""
+    if impl == "patchdsl":
+        from patchdsl.planner import plan
+        from patchdsl.runtime import apply
+
+        spec = os.path.join(ROOT, "specs", "qwen3_moe.kpatch")
+        p = plan(spec, model, target="cuda", dtypes=("bf16",))
+        h = apply(p, model, target="cuda")
+        note = f"{len(h.patched)} sites patched" + (f"; refused: {[str(r) for r in h.refused][:2]}" if h.refused else "")
+    elif impl == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3_moe
+
+        apply_liger_kernel_to_qwen3_moe(model=model)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    B, L = E2E["batch"], E2E["seq"]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (B, L), device="cuda", generator=g)
+
+    def step():
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    losses = []
+    for _ in range(E2E["warmup"]):
+        losses.append(float(step()))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(E2E["steps"]):
+        losses.append(step())
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) / E2E["steps"] * 1e3
+    return {"impl": impl, "step_ms": ms, "tokens_per_s": B * L / (ms / 1e3),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "build_s": build_s,
+            "losses": [float(x) for x in losses], "note": note}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--budget", type=float, default=140)
+    ap.add_argument("--what", default="ops,e2e")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--impls", default="default,patchdsl,liger")
+    ap.add_argument("--cpu-dry", action="store_true", help="tiny shapes on the CPU (Triton interpreter), ops only: "
+                    "checks the code path without a GPU")
+    a = ap.parse_args()
+    if a.cpu_dry:
+        global DEV, TARGET
+        DEV, TARGET = "cpu", "interpreter"
+        SHAPE.update(tokens=32, hidden=32, experts=4, top_k=2, inter=24)
+        a.what = "ops"
+    if a.worker:
+        print("RESULT " + json.dumps(run_e2e_worker(a.worker)), flush=True)
+        return
+    t0 = time.time()
+    res: dict = {"shape": SHAPE, "e2e_shape": E2E}
+    try:
+        import torch
+        res["device"] = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (dry run)"
+        res["torch"] = torch.__version__
+    except Exception:
+        pass
+    lines = []
+    if "ops" in a.what:
+        ops = run_ops(min(60.0, a.budget * 0.42))
+        res["ops"] = ops
+        base = next((r for r in ops if r["impl"] == "grouped_mm" and "fwd_bwd_ms" in r), None)
+        lines.append(f"experts fwd+bwd, T={SHAPE['tokens']} H={SHAPE['hidden']} E={SHAPE['experts']} "
+                     f"k={SHAPE['top_k']} I={SHAPE['inter']} bf16 ({res.get('device', '?')})")
+        for r in ops:
+            if "fwd_bwd_ms" in r:
+                sp = f"  {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x grouped_mm" if base else ""
+                extra = f"  rel.err vs grouped_mm {r['rel_err_vs_grouped_mm']:.1e}" if "rel_err_vs_grouped_mm" in r else ""
+                lines.append(f"  {r['impl']:<13} fwd+bwd {r['fwd_bwd_ms']:8.2f} ms  fwd {r['fwd_ms']:7.2f} ms{sp}{extra}")
+            else:
+                lines.append(f"  {r['impl']:<13} skipped: {r['skipped']}")
+    if "e2e" in a.what:
+        e2e = []
+        impls = a.impls.split(",")
+        for i, impl in enumerate(impls):
+            left = a.budget - (time.time() - t0) - 3
+            if left < 20:
+                e2e.append({"impl": impl, "skipped": "budget"})
+                continue
+            per = left / (len(impls) - i)
+            try:
+                p = subprocess.run([sys.executable, __file__, "--worker", impl], capture_output=True, text=True,
+                                   timeout=per, cwd=ROOT)
+                got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+                if got:
+                    e2e.append(json.loads(got[-1][7:]))
+                else:
+                    e2e.append({"impl": impl, "skipped": f"rc {p.returncode}: " + (p.stderr or "")[-400:]})
+            except subprocess.TimeoutExpired:
+                e2e.append({"impl": impl, "skipped": f"timed out after {per:.0f}s"})
+        res["e2e"] = e2e
+        lines.append(f"e2e 4-layer Qwen3-30B-A3B shape, {E2E['batch']}x{E2E['seq']}, AdamW, bf16, sdpa")
+        base = next((r for r in e2e if r["impl"] == "default" and "step_ms" in r), None)
+        for r in e2e:
+            if "step_ms" in r:
+                sp = f"  {base['step_ms'] / r['step_ms']:.2f}x default" if base else ""
+                lines.append(f"  {r['impl']:<9} {r['step_ms']:8.1f} ms/step {r['tokens_per_s'] / 1e3:6.1f}k tok/s "
+                             f"peak {r['peak_gib']:5.1f} GiB  loss {r['losses'][-1]:.3f}{sp}  {r['note']}")
+            else:
+                lines.append(f"  {r['impl']:<9} skipped: {r['skipped']}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "moe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(a.out, "moe.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    ops = {r["impl"]: r for r in res.get("ops", [])}
+    ours, hf = ops.get("patchdsl", {}), ops.get("grouped_mm", {})
+    if "fwd_bwd_ms" in ours and "fwd_bwd_ms" in hf:
+        ok = ours.get("rel_err_vs_grouped_mm", 1.0) < 2e-2
+        best = min((r for r in res.get("ops", []) if r["impl"].startswith("patchdsl") and "fwd_bwd_ms" in r),
+                   key=lambda r: r["fwd_bwd_ms"])
+        lib = ops.get("liger", {})
+        vs_liger = f", {lib['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x liger" if "fwd_bwd_ms" in lib else ""
+        e2e = {r["impl"]: r for r in res.get("e2e", []) if "step_ms" in r}
+        e2e_s = (f"; e2e {e2e['default']['step_ms'] / e2e['patchdsl']['step_ms']:.2f}x default"
+                 if "default" in e2e and "patchdsl" in e2e else "; e2e incomplete")
+        print(f"moe: {'PASS' if ok else 'FAIL (numerics)'} experts {hf['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x grouped_mm"
+              f"{vs_liger} (rel.err {ours.get('rel_err_vs_grouped_mm', float('nan')):.1e}; best tiling {best['impl']} "
+              f"{hf['fwd_bwd_ms'] / best['fwd_bwd_ms']:.2f}x){e2e_s} in {time.time() - t0:.0f}s")
+    else:
+        print(f"moe: FAIL no experts timing ({ours.get('skipped', '')[:120]})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""Mixture-of-experts models (issue 24): the Experts / MoEBlock kinds, the fused_experts op against a
+float64 reference, verify on MoE models, the fused loss with the router's auxiliary loss, and the
+shipped MoE specs.  Tiny models (tests/moe_families.py), CPU, Triton interpreter."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+from patchdsl.codegen.cache import load_kernel
+from patchdsl.codegen.env import target as detect_target
+from patchdsl.codegen.keys import KernelKey
+from patchdsl.ops.base import ModuleInfo
+from patchdsl.ops.registry import get_op
+
+from .moe_families import MOE_FAMILIES, tiny_moe_model
+
+K = importlib.import_module("patchdsl.ops.kinds")
+TARGET = detect_target()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _experts_of(model):
+    return [(p, m) for p, m in model.named_modules() if p.endswith(".experts")]
+
+
+# ---------------------------------------------------------------- kinds
+# family -> (Experts facts, MoEBlock facts) the recognisers must find
+KIND_CASES = {
+    "qwen3_moe": (dict(transposed=False, layout="concat", bias=False, activation="silu", top_k=2),
+                  dict(scoring="softmax_topk", norm_topk=False, shared=None)),
+    "mixtral": (dict(transposed=False, layout="concat", bias=False, activation="silu", top_k=2),
+                dict(scoring="softmax_topk", norm_topk=True, shared=None)),
+    "olmoe": (dict(transposed=False, layout="concat", bias=False, activation="silu"),
+              dict(scoring="softmax_topk", norm_topk=False, shared=None)),
+    "gpt_oss": (dict(transposed=True, layout="interleaved", bias=True, activation="swiglu_clamp", alpha=1.702,
+                     limit=7.0),
+                dict(norm_topk=True, shared=None)),
+    "deepseek_v3": (dict(transposed=False, layout="concat", bias=False, activation="silu"),
+                    dict(scoring="sigmoid_grouped", norm_topk=True, n_group=2, topk_group=1, shared="shared_experts")),
+    "qwen3_5_moe": (dict(transposed=False, layout="concat", bias=False, activation="silu"),
+                    dict(scoring="softmax_topk", shared="shared_expert", shared_gate=True)),
+    "qwen2_moe": (dict(layout="concat", activation="silu"), dict(shared="shared_expert", shared_gate=True)),
+    "granitemoe": (dict(layout="concat", activation="silu"), dict(scoring="softmax_topk")),
+}
+
+
+@pytest.mark.parametrize("family", list(KIND_CASES))
+def test_experts_and_moe_block_are_recognised(family):
+    model = tiny_moe_model(family)
+    want_e, want_b = KIND_CASES[family]
+    (path, ex), *_ = _experts_of(model)
+    f = K.experts(ex)
+    assert f is not None, f"{family}: {type(ex).__name__} not recognised as Experts"
+    assert f["experts"] == 4 and f["hidden"] == 32
+    assert {k: f[k] for k in want_e} == want_e
+    block = model.get_submodule(path.rsplit(".", 1)[0])
+    b = K.moe_block(block)
+    assert b is not None and b["top_k"] == 2 and b["experts"] == 4
+    assert {k: b[k] for k in want_b} == want_b
+    assert K.moe_block(ex) is None and K.experts(block) is None
+
+
+class _SwappedExperts(torch.nn.Module):
+    """Experts whose forward takes up first and gate second: no layout of the kind computes it."""
+
+    def __init__(self, E=4, H=8, I=6, scale=1.0, swap=True):
+        super().__init__()
+        self.num_experts, self.scale, self.swap = E, scale, swap
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H))
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, I))
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for t in range(hidden.shape[0]):
+            for j in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, j])
+                a, b = torch.nn.functional.linear(hidden[t], self.gate_up_proj[e]).chunk(2)
+                gate, up = (b, a) if self.swap else (a, b)
+                y = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]) * self.scale
+                out[t] += top_k_weights[t, j] * y
+        return out
+
+
+@pytest.mark.parametrize("kw,fits", [(dict(swap=False), True), (dict(swap=True), False),
+                                     (dict(swap=False, scale=2.0), False)])
+def test_experts_kind_probes_the_forward(kw, fits):
+    f = K.experts(_SwappedExperts(**kw))
+    assert (f is not None) == fits
+    if fits:
+        assert f["layout"] == "concat" and f["activation"] == "silu" and f["top_k"] is None
+
+
+def test_a_dense_mlp_is_not_experts():
+    model = tiny_moe_model("deepseek_v3")
+    shared = model.model.layers[0].mlp.shared_experts
+    assert K.experts(shared) is None and K.moe_block(shared) is None and K.swiglu(shared)
+
+
+# ---------------------------------------------------------------- the kernel vs float64
+def _kernel(facts, dtype):
+    op = get_op("fused_experts")
+    params = op.key_params(ModuleInfo("x", "X", (), {"Experts": facts}), {}, dtype, TARGET)
+    return load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+
+
+def _facts(transposed, layout, bias, act, E=4, k=2, H=24, I=20):
+    clamp = act == "swiglu_clamp"
+    return dict(experts=E, hidden=H, intermediate=I, transposed=transposed, layout=layout, bias=bias,
+                activation=act, alpha=1.702 if clamp else None, limit=2.0 if clamp else None, top_k=k)
+
+
+def _inputs(facts, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    E, H, I, k = facts["experts"], facts["hidden"], facts["intermediate"], facts["top_k"]
+    f64 = dict(generator=g, dtype=torch.float64)
+    x = torch.randn(T, H, **f64)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    idx[0] = torch.arange(k)                     # expert 0 gets a token, expert E-1 maybe none
+    w = torch.rand(T, k, **f64)
+    tr = facts["transposed"]
+    gu = torch.randn((E, H, 2 * I) if tr else (E, 2 * I, H), **f64) * 0.4
+    dn = torch.randn((E, I, H) if tr else (E, H, I), **f64) * 0.4
+    gb = torch.randn(E, 2 * I, **f64) * 0.5 if facts["bias"] else None
+    db = torch.randn(E, H, **f64) * 0.5 if facts["bias"] else None
+    return x, idx, w, gu, dn, gb, db
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _run(kmod, facts, T, seed, dtype, ref_facts=None):
+    x, idx, w, gu, dn, gb, db = _inputs(facts, T, seed)
+    leaves = [t for t in (x, w, gu, dn, gb, db) if t is not None]
+    for t in leaves:
+        t.requires_grad_(True)
+    ref = K.experts_reference(x, idx, w, gu, dn, gb, db, ref_facts or facts)
+    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    rgrads = torch.autograd.grad(ref, leaves, dy)
+    low = [t.detach().to(device=DEVICE, dtype=dtype).requires_grad_(True) for t in leaves]
+    x_, w_, gu_, dn_ = low[:4]
+    gb_, db_ = (low[4], low[5]) if facts["bias"] else (None, None)
+    out = kmod.experts(x_, idx.to(DEVICE), w_, gu_, dn_, gb_, db_)
+    pgrads = [g.cpu() for g in torch.autograd.grad(out, low, dy.to(device=DEVICE, dtype=dtype))]
+    out = out.cpu()
+    names = ["output", "x", "weights", "gate_up", "down"] + (["gate_up_bias", "down_bias"] if facts["bias"] else [])
+    return dict(zip(names, [_rel(out, ref)] + [_rel(p, r) for p, r in zip(pgrads, rgrads)]))
+
+
+LAYOUTS = [(False, "concat", False, "silu"), (True, "interleaved", True, "swiglu_clamp"),
+           (False, "interleaved", True, "gelu"), (True, "concat", False, "gelu_tanh")]
+TOL = {"fp32": 1e-5, "bf16": 2.5e-2}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["-".join(map(str, c)) for c in LAYOUTS])
+def test_fused_experts_matches_float64(layout, dtype):
+    facts = _facts(*layout)
+    errs = _run(_kernel(facts, dtype), facts, T=9, seed=3, dtype=getattr(torch, {"fp32": "float32",
+                                                                                    "bf16": "bfloat16"}[dtype]))
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, (errs, TOL[dtype])
+
+
+# a kernel specialised for one layout, fed weights of another, must not pass: the reference sees it
+MISMATCHES = [("interleaved read as concat", _facts(False, "concat", False, "silu"),
+               _facts(False, "interleaved", False, "silu")),
+              ("gelu computed as silu", _facts(True, "concat", False, "silu"), _facts(True, "concat", False, "gelu")),
+              ("clamp limit ignored", _facts(True, "interleaved", True, "silu"),
+               _facts(True, "interleaved", True, "swiglu_clamp"))]
+
+
+@pytest.mark.parametrize("name,kernel_facts,true_facts", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_fused_experts_wrong_layout_fails(name, kernel_facts, true_facts):
+    errs = _run(_kernel(kernel_facts, "fp32"), kernel_facts, T=7, seed=5, dtype=torch.float32, ref_facts=true_facts)
+    assert errs["output"] > 1e-2, errs
+
+
+def test_fused_experts_refuses_wrong_shapes():
+    facts = _facts(False, "concat", False, "silu")
+    kmod = _kernel(facts, "fp32")
+    x, idx, w, gu, dn, _, _ = (t if t is None else t.float() if t.is_floating_point() else t
+                               for t in _inputs(facts, 5, 0))
+    with pytest.raises(ValueError, match="hidden_states"):
+        kmod.experts(x[:, :-1], idx, w, gu, dn)
+    with pytest.raises(ValueError, match="top_k_index"):
+        kmod.experts(x, idx[:, :1], w[:, :1], gu, dn)
+    with pytest.raises(ValueError, match="gate_up / down"):
+        kmod.experts(x, idx, w, gu.transpose(1, 2), dn)
+
+
+def test_fused_experts_is_deterministic_and_routing_metadata_has_no_gaps():
+    facts = _facts(False, "concat", False, "silu", E=6, k=3)
+    kmod = _kernel(facts, "fp32")
+    x, idx, w, gu, dn, _, _ = _inputs(facts, 11, 2)
+    args = (x.float(), idx, w.float(), gu.float(), dn.float())
+    assert torch.equal(kmod.experts(*args), kmod.experts(*args))
+    perm, block_expert, block_start, seg_start, seg_end, n_blocks = kmod.route(idx)
+    flat = idx.reshape(-1)
+    assert sorted(perm.tolist()) == list(range(flat.numel()))
+    assert torch.equal(flat[perm.long()], torch.sort(flat).values)
+    assert torch.equal((seg_end - seg_start).long(), torch.bincount(flat, minlength=6))
+    assert int(block_expert[-1]) == 6 and n_blocks == -(-flat.numel() // kmod.BLOCK_M) + 6
+
+
+# ---------------------------------------------------------------- the op on a model
+def test_fused_experts_is_per_instance_and_reversible():
+    from transformers.integrations import moe as hf_moe
+
+    from patchdsl import apply, plan
+
+    registry = dict(hf_moe.ALL_EXPERTS_FUNCTIONS._global_mapping)
+    model, other = tiny_moe_model("qwen3_moe"), tiny_moe_model("qwen3_moe")
+    impl = model.config._experts_implementation
+    ref = copy.deepcopy(model)
+    h = apply(plan("*.mlp.experts: Experts -> fused_experts\n", model, target=TARGET), model, target=TARGET)
+    (_, ex), = _experts_of(model)
+    (_, ex_other), = _experts_of(other)
+    assert "forward" in ex.__dict__ and "forward" not in ex_other.__dict__
+    assert dict(hf_moe.ALL_EXPERTS_FUNCTIONS._global_mapping) == registry
+    assert model.config._experts_implementation == impl
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    a, b = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    a.loss.backward()
+    b.loss.backward()
+    assert torch.allclose(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), n
+    h.undo()
+    assert "forward" not in ex.__dict__
+
+
+def test_a_plan_on_an_experts_module_without_top_k_is_refused():
+    op = get_op("fused_experts")
+    info = ModuleInfo("m.experts", "X", (), {"Experts": dict(_facts(False, "concat", False, "silu"), top_k=None)})
+    assert "top-k is not known" in op.misfit(info, None)
+
+
+def test_swiglu_on_experts_names_the_kind_and_the_op():
+    from patchdsl import plan
+    from patchdsl.syntax.errors import SpecError
+
+    model = tiny_moe_model("mixtral")
+    p = plan("optional *.mlp.experts: SwiGLU -> fused_swiglu\n*.input_layernorm: RMSNorm -> fused_rmsnorm\n",
+             model, target=TARGET)
+    (msg,) = p.unmatched_optional
+    assert "matched 1 module(s) (MixtralExperts) but none is SwiGLU" in msg and "fused_experts" in msg
+    with pytest.raises(SpecError, match="ops for them: fused_experts"):
+        plan("*.mlp.experts: SwiGLU -> fused_swiglu\n", model, target=TARGET)
+
+
+# ---------------------------------------------------------------- verify
+def test_eager_experts_is_per_instance():
+    from patchdsl.parity.moe import eager_experts
+
+    model = tiny_moe_model("qwen3_moe").double()
+    other = copy.deepcopy(model)
+    h = eager_experts(model)
+    assert len(h) == 1
+    (_, ex), = _experts_of(model)
+    x = torch.randn(5, 32, dtype=torch.float64)
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3], [0, 2]])
+    w = torch.rand(5, 2, dtype=torch.float64)
+    ex(x, idx, w)                                # float64 runs: the eager loop, not grouped_mm
+    (_, ex_other), = _experts_of(other)
+    with pytest.raises(RuntimeError, match="Double"):
+        ex_other(x, idx, w)                      # the untouched copy still dispatches to grouped_mm
+    h.undo()
+    assert "forward" not in ex.__dict__
+
+
+def test_verify_holds_the_routing_and_checks_the_router_gradient():
+    from patchdsl import verify
+
+    r = verify("*.mlp.experts: Experts -> fused_experts\n", lambda: tiny_moe_model("gpt_oss"), dtype="bf16",
+               batch=1, seq=8, device=DEVICE)
+    assert r.passed, [(x.path, x.quantity, x.rel_fro_err, x.tolerance) for x in r.failures()]
+    q = {x.quantity for x in r.rows if x.kind == "site"}
+    assert {"output", "grad_input", "grad_top_k_weights", "grad_gate_up_proj", "grad_down_proj",
+            "grad_gate_up_proj_bias", "grad_down_proj_bias"} <= q
+
+
+SHIPPED = [f for f, (_, _, spec) in MOE_FAMILIES.items() if spec]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SHIPPED)
+def test_shipped_moe_spec_verifies(family):
+    from patchdsl import verify
+    from patchdsl.resources import shipped_spec
+    from patchdsl.syntax import load_spec
+
+    spec = load_spec(shipped_spec(MOE_FAMILIES[family][2]))
+    report = verify(spec, lambda: tiny_moe_model(family), dtype="bf16", batch=1, seq=8, seed=0, device=DEVICE)
+    assert report.passed, [(r.path, r.op, r.quantity, r.rel_fro_err, r.tolerance) for r in report.failures()][:8]
+    j = report.to_json()
+    assert not j.get("refused"), j.get("refused")
+    ops = {s["op"] for s in j["sites"]}
+    assert {"fused_experts", "fused_rmsnorm", "fused_linear_cross_entropy"} <= ops
+    assert {r.op.name for r in spec.rules} == ops
+
+
+# ---------------------------------------------------------------- the loss with the router's aux loss
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("cfg_flag,call_flag", [(False, None), (True, None), (False, True), (True, False)])
+def test_fused_loss_adds_the_router_aux_loss_as_the_model_does(family, cfg_flag, call_flag):
+    from patchdsl import apply, plan
+
+    model = tiny_moe_model(family)
+    model.config.output_router_logits = cfg_flag
+    model.config.router_aux_loss_coef = 0.5
+    ref = copy.deepcopy(model)
+    h = apply(plan("lm_head: Linear -> fused_linear_cross_entropy\n", model, target=TARGET), model, target=TARGET)
+    assert not h.refused, h.refused
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0                              # the aux loss weighs tokens by the attention mask
+    kw = {} if call_flag is None else {"output_router_logits": call_flag}
+    a = model(input_ids=ids, attention_mask=mask, labels=ids, **kw)
+    b = ref(input_ids=ids, attention_mask=mask, labels=ids, **kw)
+    on = cfg_flag if call_flag is None else call_flag
+    assert (a.aux_loss is not None) == on == (b.aux_loss is not None)
+    assert a.logits is None
+    assert torch.allclose(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    a.loss.backward()
+    b.loss.backward()
+    router = [n for n, _ in model.named_parameters() if ".mlp.gate" in n or ".mlp.router" in n]
+    assert router
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), n
+
+
+def test_logprobs_refuse_a_forward_with_a_router_loss():
+    from patchdsl import apply, plan
+
+    model = tiny_moe_model("mixtral")
+    h = apply(plan("lm_head: Linear -> fused_linear_logprobs\n", model, target=TARGET), model, target=TARGET)
+    assert h.refused and "auxiliary loss" in str(h.refused[0])
+
+
+# ---------------------------------------------------------------- PEFT LoRA on the expert parameters
+def test_peft_lora_on_expert_parameters_trains_through_the_fused_experts():
+    peft = pytest.importorskip("peft")
+    from patchdsl import apply, plan
+    from patchdsl.ops.kinds import peft_param_base
+
+    model = tiny_moe_model("qwen3_moe")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[],
+                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    pm = peft.get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)           # B starts at 0: make the adapters' delta count
+    ref = copy.deepcopy(pm)
+    base = pm.get_base_model()
+    p = plan("*.mlp.experts: Experts -> fused_experts\n", base, target=TARGET)
+    (site,) = p.sites
+    assert site.host == site.path + ".base_layer.base_layer"
+    h = apply(p, base, target=TARGET)
+    assert not h.refused
+    inner, depth = peft_param_base(base.get_submodule(site.path))
+    assert depth == 2 and "forward" in inner.__dict__
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+    a, b = pm(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    a.loss.backward()
+    b.loss.backward()
+    assert torch.allclose(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    lora = [(n, p1, p2) for (n, p1), p2 in zip(pm.named_parameters(), ref.parameters()) if "lora_" in n]
+    assert len(lora) == 4
+    for n, p1, p2 in lora:
+        assert p2.grad is not None and p2.grad.abs().max() > 0, n
+        assert torch.allclose(p1.grad, p2.grad, rtol=1e-4, atol=1e-7), n
+    h.undo()
+    assert "forward" not in inner.__dict__
