@@ -15,7 +15,7 @@ see the same expert choice and near-ties cannot flip it between them.
 
 from __future__ import annotations
 
-import types
+import weakref
 from typing import Any, Callable
 
 
@@ -57,8 +57,28 @@ def eager_experts(model: Any) -> EagerExperts:
         if inner is None or "forward" in m.__dict__:
             continue
         h.done.append((m, False, None))
-        m.__dict__["forward"] = types.MethodType(inner, m)
+        m.__dict__["forward"] = _EagerForward(inner, m)
     return h
+
+
+class _EagerForward:
+    """``inner`` bound to a module through a weak reference: a bound method stored on the module
+    itself would make a reference cycle, and a float64 copy freed with ``del`` (the streamed
+    reference frees one decoder layer after another) would then wait for the garbage collector.
+    A deep copy of the module rebinds to the copy."""
+
+    __slots__ = ("fn", "ref")
+
+    def __init__(self, fn: Callable, m: Any) -> None:
+        self.fn, self.ref = fn, weakref.ref(m)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(self.ref(), *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> "_EagerForward":
+        import copy
+
+        return _EagerForward(self.fn, copy.deepcopy(self.ref(), memo))
 
 
 def is_routed_call(captured: Any) -> bool:
