@@ -176,7 +176,8 @@ def run_ops(budget: float) -> list[dict]:
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
-        case("liger", lambda x, i, w: LigerFusedMoEFunction.apply(x, mod.gate_up_proj, mod.down_proj, i, w), params)
+        idx32 = idx.to(torch.int32)           # as LigerExperts.forward passes it
+        case("liger", lambda x, i, w: LigerFusedMoEFunction.apply(x, mod.gate_up_proj, mod.down_proj, idx32, w), params)
     except ImportError as e:
         rows.append({"impl": "liger", "skipped": f"not installed ({e})"})
     # matmul floor: the same FLOPs as dense GEMMs (S = T*K rows)
@@ -333,7 +334,9 @@ def main() -> None:
                 if got:
                     e2e.append(json.loads(got[-1][7:]))
                 else:
-                    e2e.append({"impl": impl, "skipped": f"rc {p.returncode}: " + (p.stderr or "")[-400:]})
+                    err = (p.stderr or "").strip().splitlines()
+                    e2e.append({"impl": impl, "skipped": f"rc {p.returncode}: " + (err[-1][-300:] if err else ""),
+                                "stderr": "\n".join(err[-30:])})
             except subprocess.TimeoutExpired:
                 e2e.append({"impl": impl, "skipped": f"timed out after {per:.0f}s"})
         res["e2e"] = e2e
