@@ -28,6 +28,7 @@ from patchdsl.resources import shipped_spec
 from patchdsl.syntax import load_spec
 
 from .families import FAMILIES, tiny_model
+from .moe_families import tiny_moe_model
 
 TOL = FLOORS["fp32"]    # verify's fp32 floor: the compiled model runs the same kernels as eager
 
@@ -98,6 +99,9 @@ OPCHECK_RUNS = {
     "phi": (tiny_phi, "dtype fp32\n*.input_layernorm, model.final_layernorm: LayerNorm -> fused_layernorm\n"),
     # the labels loss from per-token log-probs; chunks of 3 do not divide the 4 shifted tokens
     "logprobs": (lambda: tiny("qwen3"), "dtype fp32\nlm_head: Linear -> fused_linear_logprobs(chunk=3)\n"),
+    # mixture of experts (issue 24): concatenated experts; gpt-oss's transposed, interleaved, biased ones
+    "qwen3_moe": (lambda: tiny_moe_model("qwen3_moe").train(), "dtype fp32\n*.mlp.experts: Experts -> fused_experts\n"),
+    "gpt_oss": (lambda: tiny_moe_model("gpt_oss").train(), "dtype fp32\n*.mlp.experts: Experts -> fused_experts\n"),
 }
 
 
