@@ -246,6 +246,7 @@ def run_e2e_worker(impl: str) -> dict:
 
         apply_liger_kernel_to_qwen3_moe(model=model)
     model.train()
+    note = (note + "; " if note else "") + f"experts_implementation={getattr(model.config, '_experts_implementation', None)}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     B, L = E2E["batch"], E2E["seq"]
     g = torch.Generator(device=DEV).manual_seed(1)
