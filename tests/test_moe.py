@@ -201,6 +201,17 @@ def test_fused_experts_is_deterministic_and_routing_metadata_has_no_gaps():
     x, idx, w, gu, dn, _, _ = _inputs(facts, 11, 2)
     args = (x.float(), idx, w.float(), gu.float(), dn.float())
     assert torch.equal(kmod.experts(*args), kmod.experts(*args))
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)       # nothing it calls is refused in deterministic mode
+    try:
+        xs = [t.clone().requires_grad_(True) for t in (args[0], args[2], args[3], args[4])]
+        out = kmod.experts(xs[0], idx, xs[1], xs[2], xs[3])
+        g1 = torch.autograd.grad(out.sum(), xs)
+        out = kmod.experts(xs[0], idx, xs[1], xs[2], xs[3])
+        g2 = torch.autograd.grad(out.sum(), xs)
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    finally:
+        torch.use_deterministic_algorithms(prev)
     perm, block_expert, block_start, seg_start, seg_end, n_blocks = kmod.route(idx)
     flat = idx.reshape(-1)
     assert sorted(perm.tolist()) == list(range(flat.numel()))
