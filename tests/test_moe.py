@@ -415,13 +415,13 @@ def test_moe_bench_cpu_dry_run(tmp_path):
 
 
 # ---------------------------------------------------------------- at a real layer shape (GPU)
-def _experts_real_shape(device, T, H, E, K, I, dtype, seed=0):
+def _experts_real_shape(device, T, H, E, k, I, dtype, seed=0):
     """fused_experts and transformers' own experts forward (its default implementation) in ``dtype``, both
     against a float64 per-expert loop; returns {quantity: (patchdsl error, transformers error)}."""
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=H, num_experts=E, num_experts_per_tok=K,
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=H, num_experts=E, num_experts_per_tok=k,
                                moe_intermediate_size=I)
     cfg._experts_implementation = "grouped_mm"       # what from_pretrained picks by default
     g = torch.Generator(device=device).manual_seed(seed)
@@ -433,7 +433,7 @@ def _experts_real_shape(device, T, H, E, K, I, dtype, seed=0):
         mod.down_proj.normal_(0, I ** -0.5, generator=g)
     x = torch.randn(T, H, device=device, generator=g, dtype=torch.float64)
     probs = torch.softmax(torch.randn(T, E, device=device, generator=g, dtype=torch.float64), -1)
-    w, idx = torch.topk(probs, K, -1)
+    w, idx = torch.topk(probs, k, -1)
     w = w / w.sum(-1, keepdim=True)
     dy = torch.randn(T, H, device=device, generator=g, dtype=torch.float64)
 
@@ -479,7 +479,7 @@ def _judge_real_shape(errs):
 
 def test_fused_experts_vs_transformers_small_shape():
     """The real-shape check's code path at a tiny shape on the CPU (fp32)."""
-    _judge_real_shape(_experts_real_shape("cpu", T=12, H=32, E=6, K=2, I=16, dtype=torch.float32))
+    _judge_real_shape(_experts_real_shape("cpu", T=12, H=32, E=6, k=2, I=16, dtype=torch.float32))
 
 
 @pytest.mark.gpu
@@ -487,4 +487,4 @@ def test_fused_experts_vs_transformers_small_shape():
 def test_fused_experts_qwen3_30b_layer_shape_gpu():
     """Qwen3-30B-A3B's layer (hidden 2048, 128 experts, top 8, moe_intermediate 768), 1024 tokens, bf16: output
     and every gradient as close to float64 as transformers' own experts forward (within 4x + 1e-3)."""
-    _judge_real_shape(_experts_real_shape("cuda", T=1024, H=2048, E=128, K=8, I=768, dtype=torch.bfloat16))
+    _judge_real_shape(_experts_real_shape("cuda", T=1024, H=2048, E=128, k=8, I=768, dtype=torch.bfloat16))
