@@ -25,8 +25,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(tokens=16384, hidden=2048, experts=128, top_k=8, inter=768)
-SWEEP = ({"BM": 64, "BN": 64, "BK": 64, "num_warps": 4}, {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8},
-         {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4})
+# other tilings of the op timed after its default (each costs a compile of 7 kernels): MOE_SWEEP=all for all
+SWEEP_ALL = ({"BM": 64, "BN": 128, "BK": 64, "num_warps": 4}, {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4},
+             {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8})
+SWEEP = SWEEP_ALL if os.environ.get("MOE_SWEEP") == "all" else SWEEP_ALL[:1]
 E2E = dict(batch=4, seq=2048, layers=4, warmup=2, steps=5)
 
 
@@ -139,9 +141,9 @@ def run_ops(budget: float) -> list[dict]:
         rows[-1]["tiles"] = {k: params_k[k] for k in ("BM", "BN", "BK", "num_warps", "num_stages")}
         # correctness at this shape against grouped_mm (bf16 both; relative Frobenius error)
         with torch.no_grad():
-            from transformers.integrations.moe import grouped_mm_experts_forward
+            cfg._experts_implementation = "grouped_mm"
             a = kmod.experts(x0[:4096], idx[:4096], w0[:4096], mod.gate_up_proj, mod.down_proj).float()
-            b = grouped_mm_experts_forward(mod, x0[:4096], idx[:4096], w0[:4096]).float()
+            b = mod(x0[:4096], idx[:4096], w0[:4096]).float()
             rows[-1]["rel_err_vs_grouped_mm"] = float((a - b).norm() / b.norm())
         # a few other tilings (the op's block_m flag and template parameters), for the next default
         if dev == "cuda":
@@ -155,24 +157,27 @@ def run_ops(budget: float) -> list[dict]:
                 rows[-1]["tiles"] = tiles
     except Exception as e:
         rows.append({"impl": "patchdsl", "skipped": f"{type(e).__name__}: {str(e)[:200]}"})
-    # transformers
-    try:
-        from transformers.integrations import moe as hf_moe
+    # transformers: the module's own forward, which dispatches on config._experts_implementation (this
+    # bench's own config object: nothing else shares it)
+    def hf(impl):
+        def run(x, i, w):
+            cfg._experts_implementation = impl
+            return mod(x, i, w)
+        return run
 
-        case("grouped_mm", lambda x, i, w: hf_moe.grouped_mm_experts_forward(mod, x, i, w), params)
-        need = T * K * (2 * I * H + H * I) * 2 / 2**30
-        free = torch.cuda.mem_get_info()[0] / 2**30 if dev == "cuda" else 1.0
-        if need > 0.8 * free:
-            rows.append({"impl": "batched_mm", "skipped": f"gathers {need:.0f} GiB of expert weights (free {free:.0f} GiB)"})
-        else:
-            case("batched_mm", lambda x, i, w: hf_moe.batched_mm_experts_forward(mod, x, i, w), params)
-    except Exception as e:
-        rows.append({"impl": "transformers", "skipped": f"{type(e).__name__}: {str(e)[:200]}"})
+    case("grouped_mm", hf("grouped_mm"), params)
+    need = T * K * (2 * I * H + H * I) * 2 / 2**30
+    free = torch.cuda.mem_get_info()[0] / 2**30 if dev == "cuda" else 1.0
+    if need > 0.8 * free:
+        rows.append({"impl": "batched_mm", "skipped": f"gathers {need:.0f} GiB of expert weights (free {free:.0f} GiB)"})
+    else:
+        case("batched_mm", hf("batched_mm"), params)
     # Liger
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
-        case("liger", lambda x, i, w: LigerFusedMoEFunction.apply(x, mod.gate_up_proj, mod.down_proj, i, w), params)
+        idx32 = idx.to(torch.int32)           # as LigerExperts.forward passes it
+        case("liger", lambda x, i, w: LigerFusedMoEFunction.apply(x, mod.gate_up_proj, mod.down_proj, idx32, w), params)
     except ImportError as e:
         rows.append({"impl": "liger", "skipped": f"not installed ({e})"})
     # matmul floor: the same FLOPs as dense GEMMs (S = T*K rows)
@@ -192,19 +197,21 @@ def run_ops(budget: float) -> list[dict]:
     return rows
 
 
+MODEL = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+             num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936)
+
+
 def build_model(dt):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=2048, num_hidden_layers=E2E["layers"], num_attention_heads=32,
-                               num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                               moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
-                               max_position_embeddings=4096, norm_topk_prob=True, decoder_sparse_step=1,
-                               mlp_only_layers=[], tie_word_embeddings=False)
+    cfg = AutoConfig.for_model("qwen3_moe", num_hidden_layers=E2E["layers"], max_position_embeddings=4096,
+                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                               tie_word_embeddings=False, **MODEL)
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    model.to_empty(device="cuda")
+    model.to_empty(device=DEV)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
@@ -212,7 +219,8 @@ def build_model(dt):
             else:
                 p.normal_(0, 0.02)
     rot = model.model.rotary_emb
-    model.model.rotary_emb = type(rot)(config=model.config, device="cuda")
+    with torch.device(DEV):       # its inv_freq buffer was never materialised: build it again, on the device
+        model.model.rotary_emb = type(rot)(config=model.config)
     return model.to(dt)
 
 
@@ -221,7 +229,7 @@ def run_e2e_worker(impl: str) -> dict:
 
     torch.manual_seed(0)
     t0 = time.time()
-    model = build_model(torch.bfloat16)
+    model = build_model(torch.bfloat16 if DEV == "cuda" else torch.float32)
     build_s = time.time() - t0
     note = ""
     if impl == "patchdsl":
@@ -229,18 +237,20 @@ def run_e2e_worker(impl: str) -> dict:
         from patchdsl.runtime import apply
 
         spec = os.path.join(ROOT, "specs", "qwen3_moe.kpatch")
-        p = plan(spec, model, target="cuda", dtypes=("bf16",))
-        h = apply(p, model, target="cuda")
+        dts = ("bf16",) if DEV == "cuda" else ("fp32",)
+        p = plan(spec, model, target=TARGET, dtypes=dts)
+        h = apply(p, model, target=TARGET)
         note = f"{len(h.patched)} sites patched" + (f"; refused: {[str(r) for r in h.refused][:2]}" if h.refused else "")
     elif impl == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3_moe
 
         apply_liger_kernel_to_qwen3_moe(model=model)
     model.train()
+    note = (note + "; " if note else "") + f"experts_implementation={getattr(model.config, '_experts_implementation', None)}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     B, L = E2E["batch"], E2E["seq"]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (B, L), device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (B, L), device=DEV, generator=g)
 
     def step():
         out = model(input_ids=ids, labels=ids, use_cache=False)
@@ -250,17 +260,20 @@ def run_e2e_worker(impl: str) -> dict:
         return out.loss.detach()
 
     losses = []
+    cuda = DEV == "cuda"
     for _ in range(E2E["warmup"]):
         losses.append(float(step()))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     for _ in range(E2E["steps"]):
         losses.append(step())
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     ms = (time.perf_counter() - t) / E2E["steps"] * 1e3
     return {"impl": impl, "step_ms": ms, "tokens_per_s": B * L / (ms / 1e3),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "build_s": build_s,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), "build_s": build_s,
             "losses": [float(x) for x in losses], "note": note}
 
 
@@ -271,14 +284,16 @@ def main() -> None:
     ap.add_argument("--what", default="ops,e2e")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--impls", default="default,patchdsl,liger")
-    ap.add_argument("--cpu-dry", action="store_true", help="tiny shapes on the CPU (Triton interpreter), ops only: "
-                    "checks the code path without a GPU")
+    ap.add_argument("--cpu-dry", action="store_true", help="tiny shapes on the CPU (Triton interpreter): checks "
+                    "the code paths without a GPU (no measurement)")
     a = ap.parse_args()
     if a.cpu_dry:
         global DEV, TARGET
         DEV, TARGET = "cpu", "interpreter"
         SHAPE.update(tokens=32, hidden=32, experts=4, top_k=2, inter=24)
-        a.what = "ops"
+        E2E.update(batch=1, seq=16, layers=1, warmup=1, steps=1)
+        MODEL.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96, vocab_size=256)
     if a.worker:
         print("RESULT " + json.dumps(run_e2e_worker(a.worker)), flush=True)
         return
@@ -314,13 +329,15 @@ def main() -> None:
                 continue
             per = left / (len(impls) - i)
             try:
-                p = subprocess.run([sys.executable, __file__, "--worker", impl], capture_output=True, text=True,
-                                   timeout=per, cwd=ROOT)
+                p = subprocess.run([sys.executable, __file__, "--worker", impl] + (["--cpu-dry"] if a.cpu_dry else []),
+                                   capture_output=True, text=True, timeout=per, cwd=ROOT)
                 got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
                 if got:
                     e2e.append(json.loads(got[-1][7:]))
                 else:
-                    e2e.append({"impl": impl, "skipped": f"rc {p.returncode}: " + (p.stderr or "")[-400:]})
+                    err = (p.stderr or "").strip().splitlines()
+                    e2e.append({"impl": impl, "skipped": f"rc {p.returncode}: " + (err[-1][-300:] if err else ""),
+                                "stderr": "\n".join(err[-30:])})
             except subprocess.TimeoutExpired:
                 e2e.append({"impl": impl, "skipped": f"timed out after {per:.0f}s"})
         res["e2e"] = e2e

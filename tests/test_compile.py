@@ -28,6 +28,7 @@ from patchdsl.resources import shipped_spec
 from patchdsl.syntax import load_spec
 
 from .families import FAMILIES, tiny_model
+from .moe_families import tiny_moe_model
 
 TOL = FLOORS["fp32"]    # verify's fp32 floor: the compiled model runs the same kernels as eager
 
@@ -100,6 +101,9 @@ OPCHECK_RUNS = {
     "logprobs": (lambda: tiny("qwen3"), "dtype fp32\nlm_head: Linear -> fused_linear_logprobs(chunk=3)\n"),
     # fp8 projections, emulated (fp8 matmuls are refused on the CPU); q_proj has no bias, Qwen2's has one
     "fp8": (lambda: tiny("qwen2"), "dtype fp32\n*.mlp.down_proj, *.self_attn.q_proj: Linear -> fp8_linear(emulate=true)\n"),
+    # mixture of experts (issue 24): concatenated experts; gpt-oss's transposed, interleaved, biased ones
+    "qwen3_moe": (lambda: tiny_moe_model("qwen3_moe").train(), "dtype fp32\n*.mlp.experts: Experts -> fused_experts\n"),
+    "gpt_oss": (lambda: tiny_moe_model("gpt_oss").train(), "dtype fp32\n*.mlp.experts: Experts -> fused_experts\n"),
 }
 
 

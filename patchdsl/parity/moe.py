@@ -25,7 +25,10 @@ def dispatching_experts(m: Any) -> Callable | None:
     else None."""
     fwd = getattr(type(m), "forward", None)
     inner = getattr(fwd, "__wrapped__", None)
-    if inner is None or "_is_expert_parallel" not in m.__dict__ or "is_transposed" not in m.__dict__:
+    code = getattr(fwd, "__code__", None)
+    # the decorator's forward reads self.config._experts_implementation (every transformers 5.x
+    # version: 5.17's decorator sets fewer attributes on the instance than 5.24's, so test the code)
+    if inner is None or code is None or "_experts_implementation" not in code.co_names:
         return None
     return inner
 

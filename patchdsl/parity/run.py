@@ -309,7 +309,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     p0 = next(base.parameters(), None)
     base_dt = p0.dtype if p0 is not None else dt
     est = estimate(base, dt.itemsize, batch, seq, device,
-                   base_on_device=p0 is not None and p0.device.type == device.type)
+                   base_on_device=p0 is not None and p0.device.type == device.type, steps=steps)
     mode, why = choose(reference, est, steps, decoder_layers(base) is not None)
     say(f"float64 reference: {mode} ({why})")
     tally = Float64Tally()

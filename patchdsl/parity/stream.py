@@ -187,7 +187,7 @@ def _cfg_int(cfg: Any, *names: str, default: int = 0) -> int:
 
 
 def estimate(model: Any, dtype_bytes: int, batch: int, seq: int, device: Any,
-             base_on_device: bool = True) -> Estimate:
+             base_on_device: bool = True, steps: int = 0) -> Estimate:
     """Bytes each reference path adds to the device besides the model as it sits (works on a
     meta-device model too; ``base_on_device=False``: the model is not on the device yet).
     Deliberately rough and on the safe side: weights and gradients exactly, activations from the
@@ -195,7 +195,8 @@ def estimate(model: Any, dtype_bytes: int, batch: int, seq: int, device: Any,
 
     whole:    float64 weights + gradients of every parameter, every layer's float64
               activations, the run dtype's second copy (weights + gradients) and the patched
-              copy's gradients.
+              copy's gradients; with ``steps``, AdamW's two states per parameter for all three
+              copies (float64 for the reference: 16 bytes a parameter, as much again as its weights).
     streamed: the two copies' weights in the run dtype; then the larger of (one copy's
               gradients and activations) and (the float64 skeleton's weights and gradients,
               two float64 layers with gradients, one layer's float64 activations, the
@@ -231,7 +232,8 @@ def estimate(model: Any, dtype_bytes: int, batch: int, seq: int, device: Any,
     weights = dtype_bytes * total * (1 if base_on_device else 2)   # the unpatched copy (+ the patched one)
     grads = dtype_bytes * total
     act_all = act_dt * max(1, n_layers)
-    whole = 16 * total + act_layer * max(1, n_layers) + weights + 2 * grads + act_all + logits
+    adam = (16 + 2 * 2 * dtype_bytes) * total if steps else 0        # exp_avg + exp_avg_sq of the three copies
+    whole = 16 * total + act_layer * max(1, n_layers) + weights + 2 * grads + act_all + logits + adam
     # streamed: the runs under test one after the other, their gradients moved off a CUDA device
     # (to the host) as soon as they are computed; then the float64 skeleton and one layer at a time
     captures = 8 * tokens * hidden * 8 * max(1, n_layers)
@@ -521,7 +523,7 @@ def build_dtype(meta_model: Any, dtype: str, batch: int, seq: int, steps: int, d
         truncate_layers(meta_model, layers)
     size = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
     total = sum(p.numel() for p in {id(p): p for p in meta_model.parameters()}.values())
-    est = estimate(meta_model, size, batch, seq, device, base_on_device=False)
+    est = estimate(meta_model, size, batch, seq, device, base_on_device=False, steps=steps)
     est.whole_bytes += 4 * total            # the fp32 model itself, built on the device
     mode, _ = choose(reference, est, steps, decoder_layers(meta_model) is not None)
     return "fp32" if mode == "whole" else dtype

@@ -55,12 +55,12 @@ VARIANTS = {
     # fused_experts with concatenated gate/up, SiLU, no bias
     "qwen3_moe": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768, num_experts=8,
                                     num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=4,
-                                    head_dim=128, vocab_size=32000, decoder_sparse_step=1, mlp_only_layers=[])),
-    # gpt-oss-20b widths (hidden 2880, intermediate 2880), 4 experts: transposed, interleaved gate/up,
+                                    head_dim=128, vocab_size=4096, decoder_sparse_step=1, mlp_only_layers=[])),
+    # gpt-oss-20b widths (hidden 2880, intermediate 2880), 2 experts: transposed, interleaved gate/up,
     # biases, the clamped SwiGLU
-    "gpt_oss": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_local_experts=4,
+    "gpt_oss": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_local_experts=2,
                                 num_experts_per_tok=2, num_attention_heads=64, num_key_value_heads=8,
-                                head_dim=64, vocab_size=32000)),
+                                head_dim=64, vocab_size=4096)),
 }
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
