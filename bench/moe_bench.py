@@ -118,6 +118,7 @@ def run_ops(budget: float) -> list[dict]:
             rows.append({"impl": name, "skipped": f"out of memory ({str(e)[:80]})"})
         except Exception as e:
             rows.append({"impl": name, "skipped": f"{type(e).__name__}: {str(e)[:160]}"})
+        print(f"  experts {json.dumps(rows[-1])}", flush=True)      # as it goes: a cut run keeps what finished
         if dev == "cuda":
             torch.cuda.empty_cache()
 

@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             (out / f"verify_{mid.split('/')[-1]}.json").write_text(json.dumps(js, indent=1))
             ref = js.get("reference") or {}
             mem = js.get("memory") or {}
+            if "error" in js:        # verify's error document (e.g. out of memory: exit 2 with what to try)
+                js = {"passed": False, "verdict": f"ERROR (exit {js.get('exit_code')}): {js['error'].get('message')}"}
             row.update(passed=js["passed"], verdict=js["verdict"], seconds=js.get("seconds"),
                        reference=ref.get("mode"), why=ref.get("why"), float64_params_peak=ref.get("float64_params_peak"),
                        params=ref.get("params"), peak_bytes=mem.get("peak_bytes"),
