@@ -577,7 +577,15 @@ ARGS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kw, expected", ARGS_CASES, ids=[repr(k)[:60] for k, _ in ARGS_CASES])
+def _case_id(value) -> str:
+    """A test id that is the same in every process (pytest-xdist compares them): a generator's
+    repr carries its address."""
+    import re
+
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(value))[:60]
+
+
+@pytest.mark.parametrize("kw, expected", ARGS_CASES, ids=[_case_id(k) for k, _ in ARGS_CASES])
 def test_training_arguments_refuse_what_they_cannot_read(kw, expected):
     from patchdsl import PatchdslArguments
 
@@ -604,7 +612,7 @@ CONFIG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("config, expected", CONFIG_CASES, ids=[repr(c)[:60] for c, _ in CONFIG_CASES])
+@pytest.mark.parametrize("config, expected", CONFIG_CASES, ids=[_case_id(c) for c, _ in CONFIG_CASES])
 def test_callback_config_refuses_what_it_cannot_read(config, expected):
     from patchdsl.integrations.trainer import spec_from_config
 

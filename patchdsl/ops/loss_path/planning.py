@@ -1,0 +1,85 @@
+"""The lm_head site and its causal LM at plan time: which module is the host, whether the head is
+a plain linear layer the fused losses can read, the vocabulary and hidden sizes, and the values of the
+scalings the host's forward applies (read by :mod:`.source`)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..base import ModuleInfo
+
+# --------------------------------------------------------------------------- planning time
+def causal_lm_host(info: ModuleInfo, index: Any) -> str:
+    """Path of the nearest module (``info`` itself or an ancestor) with the CausalLM kind."""
+    if "CausalLM" in info.kinds:
+        return info.path
+    if index is not None:
+        for anc in index.ancestors(info.path):
+            if "CausalLM" in anc.kinds:
+                return anc.path
+    return info.path
+
+
+def lm_head_misfit(op: str, info: ModuleInfo, index: Any) -> str | None:
+    """None when ``info`` is the lm_head of a causal LM (the loss ops' only home), else why not."""
+    host = causal_lm_host(info, index)
+    hinfo = index.infos.get(host) if index is not None else None
+    if hinfo is None or "CausalLM" not in hinfo.kinds:
+        return f"{op} fits only the lm_head of a causal LM, and no causal LM holds this module"
+    if info.path != (f"{host}.lm_head" if host else "lm_head"):
+        return f"{op} fits only the causal LM's lm_head"
+    return None
+
+
+def vocab_of(info: ModuleInfo) -> int:
+    f = info.facts("CausalLM")
+    if f:
+        return int(f["vocab"])
+    return int(info.facts("Linear")["out_features"])
+
+
+def hidden_of(info: ModuleInfo) -> int:
+    f = info.facts("CausalLM")
+    if f:
+        return int(f["hidden"])
+    return int(info.facts("Linear")["in_features"])
+
+
+def resolve_scaling(facts: Mapping[str, Any]) -> float | None:
+    """The divisor of the logits the forward applies (Granite's logits_scaling); None when absent or 1."""
+    v = facts.get("logits_scaling") if facts else None
+    if v is None or float(v) == 1.0:
+        return None
+    return float(v)
+
+
+def resolve_multiplier(facts: Mapping[str, Any]) -> float | None:
+    """The multiplier of the logits the forward applies (Cohere's logit_scale, Falcon-H1's
+    lm_head_multiplier); None when absent or 1."""
+    v = facts.get("logit_multiplier") if facts else None
+    if v is None or float(v) == 1.0:
+        return None
+    return float(v)
+
+
+def transforms_logits(facts: Mapping[str, Any]) -> str | None:
+    """What the model's forward does to its logits per the CausalLM facts (for the refusals of ops
+    that take the logits as they are), or None when nothing."""
+    parts = []
+    if facts and facts.get("softcap"):
+        parts.append(f"softcapping {facts['softcap']:g}")
+    if resolve_multiplier(facts):
+        parts.append(f"a multiplier {facts['logit_multiplier']:g}")
+    if resolve_scaling(facts):
+        parts.append(f"a divisor {facts['logits_scaling']:g}")
+    return " and ".join(parts) or None
+
+
+def resolve_softcap(flags: Mapping[str, Any], facts: Mapping[str, Any]) -> float | None:
+    """softcap flag: auto = the config's final_logit_softcapping, none = off, a number = that."""
+    v = flags.get("softcap", "auto")
+    if v == "auto":
+        v = facts.get("softcap") if facts else None
+    if v is None or v == 0:
+        return None
+    return float(v)
