@@ -378,6 +378,8 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
         report["uncompiled"] += [f"{name}.{f}" for f, fn in sorted(_jit_functions(mod).items())
                                  if fn.src not in reached_src]
     report["modules"] = sorted(modules)
+    # modules with Triton kernels of their own (fp8_linear's module calls torch._scaled_mm only)
+    report["kernel_modules"] = sorted(n for n, m in modules.items() if _jit_functions(m))
     return report
 
 

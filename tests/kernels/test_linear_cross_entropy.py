@@ -541,7 +541,7 @@ def test_fused_extra_memory_at_most_64_mib():
 def test_unknown_tile_is_refused():
     op = get_op(OP)
     why = op.validate(dict(op.default_flags(), mode="fused", tile="m999"))
-    assert "tile=m999 is not a known tile" in why and "m128n256k64w8s3" in why
+    assert "tile='m999' is not a known tile" in why and "m128n256k64w8s3" in why
 
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
