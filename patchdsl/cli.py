@@ -496,14 +496,18 @@ def suggest_cmd(model: str, out: str | None) -> None:
         click.echo(s.text, nl=False)
 
 
-@main.command("census", context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-              add_help_option=False)
-@click.pass_context
-def census_cmd(ctx) -> None:
-    """Coverage census over every causal-LM family of the installed transformers (python -m patchdsl.census --help)."""
+@main.command("census")
+@click.argument("families", nargs=-1)
+@click.option("--no-verify", "no_verify", is_flag=True, help="Suggest and plan only (fast); the verify column says '-'.")
+@click.option("--out", "out", default="docs/coverage.md", show_default=True,
+              help="The table's file ('-' prints it).")
+@click.option("--sample", is_flag=True, help="Only the families CI checks (patchdsl.census.CI_SAMPLE).")
+def census_cmd(families, no_verify: bool, out: str, sample: bool) -> None:
+    """Coverage census: every causal-LM family of the installed transformers (or FAMILIES), tiny config, suggest, plan, verify."""
     from .census import main as census_main
 
-    sys.exit(census_main(ctx.args))
+    args = list(families) + (["--no-verify"] if no_verify else []) + ["--out", out] + (["--sample"] if sample else [])
+    sys.exit(census_main(args))
 
 
 # ---------------------------------------------------------------- bench
