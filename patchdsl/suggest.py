@@ -101,8 +101,8 @@ def _concern(info) -> str | None:
         return "loss"
     cls = info.cls
     leaf = _leaf(info.path) if info.path else ""
-    if not info.path or "Linear" in ks:
-        return None
+    if not info.path or "Linear" in ks or info.dtype is None:
+        return None          # the root, a projection, or a module with no parameters (nn.Identity): nothing to fuse
     if re.search(r"(Norm|Norm1P|RMSNorm)$", cls) or re.search(r"(^|_)(norm|ln|layernorm)(_|$|\d)", leaf):
         return "norms"
     if re.search(r"(MLP|Mlp|FeedForward)$", cls) or leaf in ("mlp", "ffn", "feed_forward"):
