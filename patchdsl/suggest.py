@@ -55,6 +55,9 @@ CONCERNS = ("norms", "attention", "mlp", "loss")
 # the order rules are written in (as the shipped specs: norms, attention, MLP, loss)
 _WRITE_ORDER = {c: i for i, c in enumerate(CONCERNS)}
 _INT = re.compile(r"^\d+$")
+# cross-attention blocks (and their norms) run only with encoder / vision states: left alone
+_CROSS = re.compile(r"(^|\.)(encoder_attn\w*|cross_attn\w*|crossattention\w*)(\.|$)")
+CROSS_REASON = "part of a cross-attention block (runs only on encoder or vision states): left alone"
 
 
 class SuggestError(RuntimeError):
@@ -209,6 +212,9 @@ def suggest(model: Any, *, dtypes: tuple[str, ...] = ("bf16", "fp32"), target: s
         fit = []
         for i in index:
             if not i.path or c.kind not in i.kinds or i.path in taken or i.path in covered:
+                continue
+            if _CROSS.search(i.path):
+                tried.setdefault(i.path, []).append(CROSS_REASON)
                 continue
             why = op.misfit(i, index)
             if why:

@@ -60,7 +60,7 @@ def test_render_and_parse_round_trip():
     t = parse_table(text)
     assert t["fam_a"]["norms"] == "3/3" and t["fam_a"]["mlp"] == "0/2" and t["fam_a"]["notes"] == "mlp: a / b"
     assert t["fam_b"]["cls"] == "-" and t["fam_b"]["verify"] == "-"
-    assert "- families: 2; built from a tiny config: 1" in text
+    assert "- families: 2; built from a tiny config and training unpatched: 1" in text
     assert "every norm, MLP and the loss patched: 0/1 (0%)" in text
 
 

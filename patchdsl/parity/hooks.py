@@ -172,7 +172,15 @@ def base_stub(hidden: Any, like: Any = None) -> Any:
             self.h = h
 
         def forward(self, *args, **kwargs):
-            return BaseModelOutputWithPast(last_hidden_state=self.h)
+            return _StubOutput(last_hidden_state=self.h)
+
+    class _StubOutput(BaseModelOutputWithPast):
+        # a causal LM's forward may read more of its base model's output (MoE models: router_logits,
+        # used only when the config asks for them): what the stub does not compute reads as None
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
 
     stub = BaseModelStub(hidden)
     for k, v in (vars(like).items() if like is not None else ()):
