@@ -50,8 +50,14 @@ def test_family_specs_say_where_they_come_from():
         assert "dtype bf16, fp32" in text, name
 
 
+# Falcon-H1's Mamba-2 mixer and Qwen3.5's Gated DeltaNet run slowly on the CPU even at tiny sizes (30 s and
+# 16 s for verify alone): their specs are verified by the census (python -m patchdsl.census falcon_h1
+# qwen3_5_text), here only planned
+SLOW_MIXERS = {"falcon_h1", "qwen3_5"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(FAMILY_SPECS))
+@pytest.mark.parametrize("name", sorted(set(FAMILY_SPECS) - SLOW_MIXERS))
 def test_family_spec_verifies(name):
     mt = FAMILY_SPECS[name]
     rep = verify(load_spec(shipped_spec(name)), lambda: _model(mt), dtype="fp32", batch=1, seq=8, device="cpu")

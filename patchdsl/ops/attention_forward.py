@@ -494,6 +494,9 @@ def probe(module: Any, facts: dict, an: AttentionAnalysis, qk_ref: Callable, mod
     key = (an.cls, mode, repr(sorted(facts.items())), layer_kind)
     if key in _probe_cache:
         return _probe_cache[key]
+    reason = layout_reason(module, facts, an)
+    if reason:
+        return reason
     try:
         reason = _probe(module, facts, an, qk_ref, norm_fn)
     except Exception as e:  # noqa: BLE001
@@ -501,6 +504,31 @@ def probe(module: Any, facts: dict, an: AttentionAnalysis, qk_ref: Callable, mod
     _probe_cache[key] = reason
     del torch
     return reason
+
+
+def layout_reason(module: Any, facts: dict, an: AttentionAnalysis) -> str | None:
+    """Why the projections' widths are not the (heads x head_dim) layout the replacement splits, named by
+    what they are (a query doubled by an output gate, as Qwen3.5's), or None."""
+    from .kinds import linear_like
+
+    d, nq, nk = int(facts["head_dim"]), int(facts["n_heads"]), int(facts["n_kv_heads"])
+    name = an.cls.__name__
+    if an.fused_qkv:
+        lin = linear_like(getattr(module, "qkv_proj", None))
+        if lin is not None and lin.out_features != (nq + 2 * nk) * d:
+            return (f"{name}.qkv_proj produces {lin.out_features} features, not (heads + 2 x kv heads) x head_dim "
+                    f"= {(nq + 2 * nk) * d}: a layout the replacement does not split")
+        return None
+    widths = {n: getattr(linear_like(getattr(module, n, None)), "out_features", None) for n in ("q_proj", "k_proj", "v_proj")}
+    if widths["q_proj"] == 2 * nq * d:
+        return (f"{name}.q_proj produces 2 x heads x head_dim features (the query and a per-head output gate, "
+                f"as Qwen3.5's gated attention): the replacement does not reproduce the gate")
+    want = {"q_proj": nq * d, "k_proj": nk * d, "v_proj": nk * d}
+    for n, w in widths.items():
+        if w is not None and w != want[n]:
+            return (f"{name}.{n} produces {w} features, not {'heads' if n == 'q_proj' else 'kv heads'} x head_dim "
+                    f"= {want[n]} (a head size or head count other than the config's)")
+    return None
 
 
 def _probe(module, facts, an, qk_ref, norm_fn=None) -> str | None:
@@ -526,13 +554,26 @@ def _probe(module, facts, an, qk_ref, norm_fn=None) -> str | None:
     original = types.MethodType(an.cls.forward, stand)
     caches = []
     results = []
+    takes_positions = "position_ids" in an.params + an.kwonly
     with torch.no_grad():
         for fwd in (original, replacement):
             cache = DynamicCache() if DynamicCache is not None else None
             outs = []
+            start = 0
             for x, c, s_ in steps:
                 kw = {"position_embeddings": (c, s_), "attention_mask": None, an.cache_param: cache}
-                outs.append(fwd(x, **kw))
+                if takes_positions:      # Ministral 3 / Llama 4 scale queries by position
+                    kw["position_ids"] = torch.arange(start, start + x.shape[1])[None].expand(x.shape[0], -1)
+                start += x.shape[1]
+                if fwd is original:
+                    try:
+                        outs.append(fwd(x, **kw))
+                    except (RuntimeError, ValueError, IndexError) as e:
+                        return (f"{an.cls.__name__}.forward itself rejects q/k rotated by cos/sin of shape "
+                                f"(batch, seq, rotary_dim={r}) on a stand-in ({type(e).__name__}: {str(e)[:90]}): "
+                                f"its rotary embedding has a layout fused_rope does not compute")
+                else:
+                    outs.append(fwd(x, **kw))
             results.append(outs)
             caches.append(cache)
     for step, (o, n) in enumerate(zip(*results)):
