@@ -56,6 +56,20 @@ class Row:
         """Built from a tiny config, and the unpatched tiny model trains (so its row measures patchdsl)."""
         return bool(self.model_class) and bool(self.counts)
 
+    @classmethod
+    def from_cells(cls, c: dict) -> "Row":
+        """A row read back from coverage.md (:func:`parse_table`)."""
+        counts = {}
+        for col in COLUMNS:
+            v = c[col]
+            if v != "-":
+                a, b = v.split("/")
+                counts[col] = (int(a), int(b))
+            elif c["cls"] != "-" and c["notes"].find("does not train") < 0:
+                counts[col] = (0, 0)
+        notes = [] if c["notes"] == "-" else c["notes"].split("; ")
+        return cls(c["family"], "" if c["cls"] == "-" else c["cls"], counts, c["verify"], notes)
+
     def full(self, name: str) -> bool:
         p, n = self.counts.get(name, (0, 0))
         return n > 0 and p == n
@@ -274,7 +288,7 @@ def summary(rows: list[Row]) -> list[str]:
     def pct(a, b):
         return f"{a}/{b} ({100 * a / b:.0f}%)" if b else f"{a}/0"
 
-    return [f"- families: {len(rows)}; built from a tiny config: {len(built)}",
+    return [f"- families: {len(rows)}; built from a tiny config and training unpatched: {len(built)}",
             f"- suggestion verifies (fp32, CPU): {pct(len(ok), len(built))} of those built",
             f"- verify with every norm, MLP and the loss patched: {pct(len(base), len(built))}",
             f"- ... and every attention module too: {pct(len(attn), len(built))}"]
@@ -336,13 +350,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="suggest and plan only (fast)")
     ap.add_argument("--out", default="docs/coverage.md", help="the table's file ('-': stdout)")
     ap.add_argument("--sample", action="store_true", help=f"only the CI sample ({', '.join(CI_SAMPLE)})")
+    ap.add_argument("--update", action="store_true",
+                    help="recompute only FAMILIES and keep the other rows of --out")
     a = ap.parse_args(argv)
     names = list(CI_SAMPLE) if a.sample else (a.families or families())
     unknown = [n for n in names if n not in families()]
     if unknown:
         print(f"error: not a causal-LM model type of this transformers: {', '.join(unknown)}", file=sys.stderr)
         return 2
-    run(names, verify=not a.no_verify, out=a.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    keep: dict[str, Row] = {}
+    if a.update:
+        if not a.families or a.out == "-" or not Path(a.out).is_file():
+            print("error: --update needs FAMILIES and an existing --out file", file=sys.stderr)
+            return 2
+        keep = {f: Row.from_cells(c) for f, c in parse_table(Path(a.out).read_text()).items()}
+    rows = run(names, verify=not a.no_verify, out=None if keep else a.out,
+               log=lambda m: print(m, file=sys.stderr, flush=True))
+    if keep:
+        keep.update({r.family: r for r in rows})
+        order = [f for f in families() if f in keep]
+        Path(a.out).write_text(render([keep[f] for f in order], total=len(families()), verify=not a.no_verify))
     return 0
 
 

@@ -155,8 +155,16 @@ def _reasons(tried: list[str]) -> str:
     """The refusals of the ops tried on one module, as one line: a refusal that only points to an
     op tried after it ("... (use fused_rope)") is left out, that op's own refusal says more."""
     later = [t.split(":", 1)[0] for t in tried]
-    keep = [t for n, t in enumerate(tried) if not any(f"use {o}" in t for o in later[n + 1:])]
-    return "; ".join(dict.fromkeys(keep or tried))
+    keep = [t for n, t in enumerate(tried) if not any(f"use {o}" in t for o in later[n + 1:])] or tried
+    by_reason: dict[str, list[str]] = {}          # the same reason from several ops is said once
+    for t in keep:
+        op, _, why = t.partition(": ")
+        if not why:
+            op, why = "", t
+        by_reason.setdefault(why, [])
+        if op and op not in by_reason[why]:
+            by_reason[why].append(op)
+    return "; ".join(f"{', '.join(ops)}: {why}" if ops else why for why, ops in by_reason.items())
 
 
 def _rule_selectors(wanted: list[str], kind: str, index: ModelIndex) -> list[str]:
