@@ -134,7 +134,7 @@ def rmsnorm(m: Any) -> dict | None:
     return {"hidden": int(h), "eps": eps, "offset": offset, "casting": casting}
 
 
-@kind("LayerNorm", "y = (x - mean) / std * w + b, with or without bias")
+@kind("LayerNorm", "y = (x - mean) / std * (offset + w) + b, with or without bias; offset 1 = LayerNorm1P (probed)")
 def layernorm(m: Any) -> dict | None:
     torch = _torch()
     w = getattr(m, "weight", None)
@@ -158,10 +158,17 @@ def layernorm(m: Any) -> dict | None:
         out = _run_class_forward(m, stand_in(m, **params), x)
     except Exception:
         return None
-    ref = torch.nn.functional.layer_norm(x, (h,), wt, bt, eps)
-    if not isinstance(out, torch.Tensor) or out.shape != ref.shape or not torch.allclose(out, ref, rtol=1e-5, atol=1e-5):
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         return None
-    return {"hidden": int(h), "eps": eps, "bias": has_bias}
+    # offset 1: Nemotron's LayerNorm1P scales by (1 + w)
+    for off in (0.0, 1.0):
+        ref = torch.nn.functional.layer_norm(x, (h,), wt + off, bt, eps)
+        if torch.allclose(out, ref, rtol=1e-5, atol=1e-5):
+            f = {"hidden": int(h), "eps": eps, "bias": has_bias}
+            if off:
+                f["offset"] = off
+            return f
+    return None
 
 
 def _activation(act: Any) -> str | None:
