@@ -101,8 +101,10 @@ def test_inspect_json_counts_every_folded_module():
 
 def test_inspect_names_modules_that_fit_no_kind():
     text = render(build_index(_family_model("nemotron")))
+    ln = next(x for x in text.splitlines() if x.startswith("model.layers.{0..1}.mlp "))
+    assert "NemotronMLP" in ln and "fits no kind" in ln
     ln = next(x for x in text.splitlines() if x.startswith("model.norm "))
-    assert "NemotronLayerNorm1P" in ln and "fits no kind" in ln
+    assert "NemotronLayerNorm1P" in ln and "LayerNorm" in ln and "offset=1" in ln
 
 
 # ------------------------------------------------------------------ suggest
@@ -124,7 +126,7 @@ def test_suggestion_patches_what_the_shipped_spec_patches(family):
 @pytest.mark.parametrize("family,unpatched", [
     ("olmo2", {}),                      # q/k norms over the whole projection: fused_rope calls them so
     ("smollm3", {}),                    # NoPE layers: the rotation only where the model rotates
-    ("nemotron", {"norms": "LayerNorm1P", "mlp": "non-gated MLP"}),
+    ("nemotron", {"mlp": "non-gated MLP"}),      # its LayerNorm1P norms: fused_layernorm with offset 1
     ("gpt_neox", {"attention": "not q/k/v_proj", "mlp": "non-gated MLP", "loss": "no causal LM holds"}),
     ("glm4", {"attention": "does not reproduce Glm4Attention.forward"}),
 ])
