@@ -134,8 +134,8 @@ def test_spec_error_api_single_and_several():
 
 
 @pytest.mark.parametrize("args,fragments", [
-    (["check", "qwen4"], ["spec 'qwen4' not found", "did you mean 'qwen3'?", "shipped specs: gemma3, llama"]),
-    (["plan", "nosuchspec", "-m", "Qwen/Qwen3-0.6B"], ["spec 'nosuchspec' not found", "shipped specs: gemma3"]),
+    (["check", "qwen4"], ["spec 'qwen4' not found", "did you mean 'qwen3'?", "shipped specs: ", "gemma3, glm4, granite, llama"]),
+    (["plan", "nosuchspec", "-m", "Qwen/Qwen3-0.6B"], ["spec 'nosuchspec' not found", "shipped specs: ", "gemma3"]),
     (["check", "/no/such/dir/x.kpatch"], ["not found"]),
 ])
 def test_missing_specs_list_the_shipped_ones(args, fragments):

@@ -46,7 +46,7 @@ def test_include_cycle_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("arg,fragments", [
-    ("qwen4", ["spec 'qwen4' not found", "did you mean 'qwen3'?", "shipped specs: gemma3, llama, mistral"]),
+    ("qwen4", ["spec 'qwen4' not found", "did you mean 'qwen3'?", "shipped specs: ", "gemma3, glm4, granite, llama, mistral"]),
     ("lama", ["did you mean 'llama'?"]),
     ("qwen4.kpatch", ["spec 'qwen4.kpatch' not found", "did you mean 'qwen3'?"]),
     ("specs/nope.kpatch", ["not found", "shipped specs:"]),

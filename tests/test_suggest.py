@@ -201,3 +201,23 @@ def test_cli_inspect_and_suggest(tmp_path):
 def test_cli_suggest_bad_model_is_exit_2():
     r = CliRunner().invoke(main, ["suggest", "--model", "no/such-model-here"])
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+# ------------------------------------------------------------------ hints that name the structural reason
+@pytest.mark.parametrize("family,rule,want,not_want", [
+    ("gpt_neox", "lm_head: Linear -> fused_linear_cross_entropy",
+     "GPTNeoXForCausalLM is not recognised as a causal LM", "select it alone"),
+    ("gpt_neox", "*.attention: Attention -> fused_rope", "GPTNeoXAttention has no q_proj, k_proj, v_proj, o_proj", None),
+    ("phi", "*.self_attn: Attention -> fused_rope", "PhiAttention has no o_proj", None),
+    ("nemotron", "*.mlp: SwiGLU -> fused_swiglu", "NemotronMLP has no gate_proj", None),
+    ("llama", "*.q_proj: Linear -> fused_linear_cross_entropy", "select it alone: 'lm_head: Linear", None),
+])
+def test_refusal_hints_name_the_structural_reason(family, rule, want, not_want):
+    from patchdsl.syntax import SpecError
+
+    with pytest.raises(SpecError) as ei:
+        plan(f"{rule}\n", _family_model(family))
+    text = ei.value.render()
+    assert want in text, text
+    if not_want:
+        assert not_want not in text

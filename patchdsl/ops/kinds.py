@@ -308,3 +308,34 @@ def decoder_layer(m: Any) -> dict | None:
         return None
     layout = "sandwich" if hasattr(m, "pre_feedforward_layernorm") else "prenorm"
     return {"hidden": f["hidden"], "eps": f["eps"], "offset": f["offset"], "casting": f["casting"], "layout": layout}
+
+
+# ---- what each kind needs, structurally (for errors that say why a module fits no kind) ----------------
+# (helper "families"; read by patchdsl.select when a rule's modules fit no kind)
+KIND_NEEDS = {
+    "RMSNorm": ("a 1-D weight, no bias, an eps attribute, no children, and a forward equal to "
+                "x / rms(x) * (offset + w)"),
+    "LayerNorm": "a 1-D weight, an eps attribute, no children, and a forward equal to F.layer_norm (offset 0 or 1)",
+    "SwiGLU": "children gate_proj + up_proj (or gate_up_proj) and down_proj, and an act_fn computing silu",
+    "GeGLU": "children gate_proj + up_proj (or gate_up_proj) and down_proj, and an act_fn computing GELU",
+    "Attention": "children q_proj, k_proj, v_proj (or qkv_proj) and o_proj, a config, head_dim and head counts",
+    "CausalLM": "attributes model (the base model), lm_head and config",
+    "DecoderLayer": "children input_layernorm, self_attn, post_attention_layernorm and mlp",
+}
+
+
+def kind_misses(kind: str, children: tuple) -> str:
+    """What of ``KIND_NEEDS[kind]`` a module with these children lacks, read off the names alone ("" if
+    its children look right: then its forward or sizes differ)."""
+    ch = set(children)
+    if kind == "Attention":
+        miss = [n for n in ("o_proj",) if n not in ch]
+        if "qkv_proj" not in ch:
+            miss = [n for n in ("q_proj", "k_proj", "v_proj") if n not in ch] + miss
+        return ", ".join(miss)
+    if kind in ("SwiGLU", "GeGLU"):
+        miss = [] if "gate_up_proj" in ch else [n for n in ("gate_proj", "up_proj") if n not in ch]
+        return ", ".join(miss + [n for n in ("down_proj",) if n not in ch])
+    if kind in ("RMSNorm", "LayerNorm") and ch:
+        return "no children"
+    return ""
