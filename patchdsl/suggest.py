@@ -199,8 +199,11 @@ def _fmt_rule(c: Candidate, sels: list[str]) -> str:
 
 
 def suggest(model: Any, *, dtypes: tuple[str, ...] = ("bf16", "fp32"), target: str | None = None,
-            name: str | None = None) -> Suggestion:
-    """The suggested spec for ``model`` (a module; the meta device is fine).  See the module doc."""
+            name: str | None = None, skip: Mapping[str, str] | None = None) -> Suggestion:
+    """The suggested spec for ``model`` (a module; the meta device is fine).  See the module doc.
+    ``skip``: module paths to leave out, with the reason listed for them (the census passes the modules
+    that did not run in a forward of the model: :func:`modules_not_run`)."""
+    skip = dict(skip or {})
     from .ops.registry import get_op
     from .planner import model_checker
 
@@ -223,6 +226,9 @@ def suggest(model: Any, *, dtypes: tuple[str, ...] = ("bf16", "fp32"), target: s
                 continue
             if _CROSS.search(i.path):
                 tried.setdefault(i.path, []).append(CROSS_REASON)
+                continue
+            if i.path in skip:
+                tried.setdefault(i.path, []).append(skip[i.path])
                 continue
             why = op.misfit(i, index)
             if why:
@@ -340,3 +346,28 @@ def _rule_facts(c: Candidate, infos: list) -> str:
                 continue
             parts.append(f"{k} {x:g}" if isinstance(x, float) else f"{k} {x}")
     return (" (" + ", ".join(parts) + ")") if parts else ""
+
+
+NOT_RUN_REASON = "did not run in a forward of this model (a path its configuration does not take): left alone"
+
+
+def modules_not_run(model: Any, *, seq: int = 8) -> dict[str, str]:
+    """Module paths of ``model`` (real weights, CPU) that one forward with labels does not call, each with
+    :data:`NOT_RUN_REASON`.  Patching them is harmless but verify cannot judge a site that never runs."""
+    import torch
+
+    ran: set[str] = set()
+    hooks = []
+    names = {id(m): n for n, m in model.named_modules()}
+    for n, m in model.named_modules():
+        hooks.append(m.register_forward_pre_hook(lambda mod, _a, _n=n: ran.add(_n)))
+    try:
+        vocab = int(model.config.get_text_config().vocab_size)
+        ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            model(input_ids=ids, labels=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    del names
+    return {n: NOT_RUN_REASON for n, _ in model.named_modules() if n and n not in ran}
