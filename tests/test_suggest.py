@@ -221,3 +221,17 @@ def test_refusal_hints_name_the_structural_reason(family, rule, want, not_want):
     assert want in text, text
     if not_want:
         assert not_want not in text
+
+
+def test_modules_that_do_not_run_are_left_out_with_the_reason():
+    from patchdsl.suggest import NOT_RUN_REASON, modules_not_run
+
+    m = tiny_model("llama")
+    m.model.unused_norm = type(m.model.norm)(64, eps=1e-6)     # never called by the forward
+    skip = modules_not_run(m)
+    assert "model.unused_norm" in skip and "model.norm" not in skip and "model.layers.0.mlp" not in skip
+    s = suggest(m, skip=skip)
+    assert "model.unused_norm" not in s.patched and s.unpatched["model.unused_norm"] == NOT_RUN_REASON
+    assert "model.norm" in s.patched
+    # without skip it is patched like any RMSNorm
+    assert "model.unused_norm" in suggest(m).patched
