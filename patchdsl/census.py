@@ -7,7 +7,7 @@ and verified on a tiny config (CPU), written as the table in ``docs/coverage.md`
 
 Per family: a tiny config (the family's default config shrunk by
 :func:`patchdsl.models.loading.tiny_config`: 2 layers, hidden 64-160, vocabulary 512), the model
-built in fp32 on the CPU with random weights, :func:`patchdsl.suggest.suggest` (which plans every
+built in fp32 on the CPU with random weights, :func:`patchdsl.suggestion.suggest` (which plans every
 rule it keeps; modules that one forward of the model does not call are left out, as verify could not
 judge them), and :func:`patchdsl.verify` of the suggestion in fp32 (batch 1 x 8 tokens).  A
 family that cannot be built, or whose suggestion fails, gets a row saying why; one family's
@@ -187,7 +187,7 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
     import logging
     import warnings
 
-    from .suggest import suggest
+    from .suggestion import suggest
 
     row = Row(model_type)
     old = signal.signal(signal.SIGALRM, _alarm) if hasattr(signal, "SIGALRM") else None
@@ -215,7 +215,7 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
                 row.verify = "-"
                 return row
             try:
-                from .suggest import modules_not_run
+                from .suggestion import modules_not_run
 
                 s = suggest(model, dtypes=("fp32",), skip=modules_not_run(model))
             except Exception as e:

@@ -481,7 +481,7 @@ def inspect_cmd(model: str, everything: bool, no_fold: bool, as_json: bool) -> N
 @click.option("--out", "out", type=click.Path(dir_okay=False), help="Write the spec to this file (default: print it).")
 def suggest_cmd(model: str, out: str | None) -> None:
     """Print the spec that patches everything patchdsl can on a model, with the reason for each module it cannot."""
-    from .suggest import suggest as run_suggest
+    from .suggestion import suggest as run_suggest
 
     loaded = _load_model(model, meta=True, log=lambda m: None)
     s = run_suggest(loaded.model, name=model)

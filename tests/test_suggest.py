@@ -19,7 +19,7 @@ from patchdsl.cli import main
 from patchdsl.index import build_index
 from patchdsl.inspection import fold_paths, int_set, inspect_model, render, rows
 from patchdsl.planner import plan
-from patchdsl.suggest import CONCERNS, suggest
+from patchdsl.suggestion import CONCERNS, suggest
 
 from .families import FAMILIES, SPEC_OF, tiny_model
 
@@ -224,7 +224,7 @@ def test_refusal_hints_name_the_structural_reason(family, rule, want, not_want):
 
 
 def test_modules_that_do_not_run_are_left_out_with_the_reason():
-    from patchdsl.suggest import NOT_RUN_REASON, modules_not_run
+    from patchdsl.suggestion import NOT_RUN_REASON, modules_not_run
 
     m = tiny_model("llama")
     m.model.unused_norm = type(m.model.norm)(64, eps=1e-6)     # never called by the forward
@@ -235,3 +235,13 @@ def test_modules_that_do_not_run_are_left_out_with_the_reason():
     assert "model.norm" in s.patched
     # without skip it is patched like any RMSNorm
     assert "model.unused_norm" in suggest(m).patched
+
+
+def test_python_api():
+    import patchdsl
+    import patchdsl.suggestion  # noqa: F401  (importing the module keeps patchdsl.suggest the function)
+
+    m = tiny_model("llama")
+    assert callable(patchdsl.suggest) and patchdsl.suggest(m).text == suggest(m).text
+    d = patchdsl.inspect_model(m)
+    assert any(r["pattern"] == "model.layers.{0..1}.mlp" for r in d["modules"])
