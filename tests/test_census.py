@@ -75,4 +75,4 @@ def test_a_family_that_cannot_be_built_gets_a_row_with_the_reason(monkeypatch):
 
 def test_unknown_family_is_exit_2(capsys):
     assert census.main(["no_such_family", "--no-verify", "--out", "-"]) == 2
-    assert "not a causal-LM model type" in capsys.readouterr().err
+    assert "not a causal-LM or vision-language model type" in capsys.readouterr().err
