@@ -353,7 +353,9 @@ def render(rows: list[Row], *, total: int | None = None, date: str | None = None
              "`patchdsl suggest`, the suggestion planned, and `patchdsl verify` of it (batch 1 x 8 tokens)"
              + ("" if verify else " (not run: --no-verify)") + ".",
              "Each count is modules patched / modules present (q_norm/k_norm fused into attention count as "
-             "patched norms); `not covered` gives the first reason per concern, or why the family has no row.", ""]
+             "patched norms; modules a text-only forward does not call, such as a vision-language model's vision "
+             "tower, count as present and unpatched: verify cannot judge them); `not covered` gives the first "
+             "reason per concern, or why the family has no row.", ""]
     if total is not None and total > len(rows):
         lines += [f"**Partial run: {len(rows)} of {total} families.**", ""]
     lines += summary(rows) + [""]
