@@ -412,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: not a causal-LM or vision-language model type of this transformers: {', '.join(unknown)}",
               file=sys.stderr)
         return 2
+    if a.out != "-" and not Path(a.out).resolve().parent.is_dir():
+        print(f"error: --out {a.out}: its folder does not exist (run from the repository root, or give --out)",
+              file=sys.stderr)
+        return 2
     keep: dict[str, Row] = {}
     if a.update:
         if not a.families or a.out == "-" or not Path(a.out).is_file():

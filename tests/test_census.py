@@ -76,3 +76,8 @@ def test_a_family_that_cannot_be_built_gets_a_row_with_the_reason(monkeypatch):
 def test_unknown_family_is_exit_2(capsys):
     assert census.main(["no_such_family", "--no-verify", "--out", "-"]) == 2
     assert "not a causal-LM or vision-language model type" in capsys.readouterr().err
+
+
+def test_out_in_a_missing_folder_is_exit_2(tmp_path, capsys):
+    assert census.main(["llama", "--no-verify", "--out", str(tmp_path / "no" / "coverage.md")]) == 2
+    assert "its folder does not exist" in capsys.readouterr().err
