@@ -22,6 +22,7 @@ from ._version import __version__
 from .syntax import SpecError, load_spec, parse_spec
 
 __all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply", "unpatch", "verify",
+           "suggest", "inspect_model",
            "PatchdslArguments", "TrainingArguments", "PatchdslCallback", "patch_for_training",
            "graph_step", "GraphStepError", "compile_model", "compile_layers"]
 
@@ -75,3 +76,17 @@ def unpatch(model):
 def verify(spec, model_or_factory, **kwargs):
     from .parity import verify as _verify
     return _verify(spec, model_or_factory, **kwargs)
+
+
+def suggest(model, **kwargs):
+    """The spec that patches everything patchdsl can on ``model`` (see :mod:`patchdsl.suggestion`):
+    ``patchdsl.suggest(model).text``; ``.patched``, ``.unpatched`` (path -> reason), ``.counts()``."""
+    from .suggestion import suggest as _suggest
+    return _suggest(model, **kwargs)
+
+
+def inspect_model(model, **kwargs):
+    """``model``'s modules with their structural kinds and facts, repeated layers folded (the JSON of
+    ``patchdsl inspect``; see :mod:`patchdsl.inspection`)."""
+    from .inspection import inspect_model as _inspect
+    return _inspect(model, **kwargs)

@@ -619,6 +619,59 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
     emit(t.text)
 
 
+# ---------------------------------------------------------------- inspect / suggest / census
+@main.command("inspect")
+@click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
+@click.option("--all", "everything", is_flag=True, help="Every module, not only norms, MLPs, attention and the LM head.")
+@click.option("--no-fold", "no_fold", is_flag=True, help="One row per module (repeated layers are folded by default).")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def inspect_cmd(model: str, everything: bool, no_fold: bool, as_json: bool) -> None:
+    """List a model's modules with their structural kinds and facts (sizes, eps, offset, activation, rotary)."""
+    from .index import build_index
+    from .inspection import inspect_model, render
+
+    loaded = _load_model(model, meta=True, log=lambda m: None)
+    index = build_index(loaded.model)
+    if as_json:
+        click.echo(json.dumps(inspect_model(index, everything=everything, fold=not no_fold), indent=2, default=str))
+    else:
+        click.echo(render(index, everything=everything, fold=not no_fold), nl=False)
+
+
+@main.command("suggest")
+@click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
+@click.option("--out", "out", type=click.Path(dir_okay=False), help="Write the spec to this file (default: print it).")
+def suggest_cmd(model: str, out: str | None) -> None:
+    """Print the spec that patches everything patchdsl can on a model, with the reason for each module it cannot."""
+    from .suggestion import suggest as run_suggest
+
+    loaded = _load_model(model, meta=True, log=lambda m: None)
+    s = run_suggest(loaded.model, name=model)
+    if out:
+        try:
+            Path(out).write_text(s.text)
+        except OSError as e:
+            raise UsageFailure(f"cannot write '{out}': {e.strerror or e}") from None
+        a = s.counts()
+        click.echo(f"wrote {out}: " + "; ".join(f"{p}/{n} {c}" for c, (p, n) in a.items() if n), err=True)
+    else:
+        click.echo(s.text, nl=False)
+
+
+@main.command("census")
+@click.argument("families", nargs=-1)
+@click.option("--no-verify", "no_verify", is_flag=True, help="Suggest and plan only (fast); the verify column says '-'.")
+@click.option("--out", "out", default="docs/coverage.md", show_default=True,
+              help="The table's file ('-' prints it).")
+@click.option("--sample", is_flag=True, help="Only the families CI checks (patchdsl.census.CI_SAMPLE).")
+def census_cmd(families, no_verify: bool, out: str, sample: bool) -> None:
+    """Coverage census: every causal-LM family of the installed transformers (or FAMILIES), tiny config, suggest, plan, verify."""
+    from .census import main as census_main
+
+    args = list(families) + (["--no-verify"] if no_verify else []) + ["--out", out] + (["--sample"] if sample else [])
+    sys.exit(census_main(args))
+
+
 # ---------------------------------------------------------------- bench
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
               add_help_option=False)

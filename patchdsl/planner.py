@@ -199,7 +199,7 @@ def plan_index(checked: CheckedSpec, index: ModelIndex, *, target: str = "cuda",
         assert op is not None
         matches, misfits = select_all(rule, op, index)
         if misfits:
-            errors.append(explain_misfits(rule, op, misfits, len(matches)))
+            errors.append(explain_misfits(rule, op, misfits, len(matches), index))
             continue
         if not matches:
             if rule.optional:

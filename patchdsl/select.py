@@ -69,12 +69,23 @@ def select_all(rule: Rule, op: Op, index: ModelIndex) -> tuple[list[Match], list
     return out, bad
 
 
-def explain_misfits(rule: Rule, op: Op, misfits: list[tuple[Match, str]], n_fit: int = 0) -> SpecError:
+def explain_misfits(rule: Rule, op: Op, misfits: list[tuple[Match, str]], n_fit: int = 0,
+                    index: ModelIndex | None = None) -> SpecError:
     """A rule selected modules of the right kind where the op cannot go (a loss op on q_proj)."""
     paths = [m.info.path for m, _ in misfits]
     shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
     sel = ", ".join(("!" if s.negated else "") + s.text for s in rule.selectors)
-    hint = ("select it alone: 'lm_head: Linear -> " + op.name + "'") if "lm_head" in misfits[0][1] else None
+    why0 = misfits[0][1]
+    if "no causal LM holds" in why0:
+        from .ops.kinds import KIND_NEEDS
+
+        hint = (f"{index.model_class if index is not None else 'the model'} is not recognised as a causal LM (the CausalLM kind needs "
+                f"{KIND_NEEDS['CausalLM']}), so no loss op can replace its lm_head: leave the loss unfused "
+                f"(`patchdsl inspect --model M` shows what is recognised)")
+    elif "lm_head" in why0:
+        hint = "select it alone: 'lm_head: Linear -> " + op.name + "'"
+    else:
+        hint = None
     other = "other " if n_fit else ""
     return SpecError(f"{misfits[0][1]}; '{sel}' selects {len(paths)} {other}module(s): {shown}",
                      rule.selectors[0].span, hint=hint)
@@ -117,6 +128,8 @@ def explain_no_match(rule: Rule, op: Op, index: ModelIndex) -> SpecError:
                               and any(k in kinds_there for k in o.kinds) and "Linear" not in o.kinds})
             if fitting:
                 hint += f" (ops for them: {', '.join(fitting)})"
+        if hint is None:
+            hint = _kind_hint(pat, op, by_path)
         return SpecError(
             f"'{rule.text.split(':')[0].strip()}' matched {len(by_path)} module(s) ({shown}) but none is "
             f"{pat.text} that {op.name} can replace", pat.span, hint=hint)
@@ -212,3 +225,22 @@ def explain_dead_member(rule: Rule, op: Op, index: ModelIndex, selector, member:
                      f"the others and say nothing of it", selector.span,
                      hint=(dm + "; " if dm else "") + "drop it from the rule, or mark the rule 'optional' "
                      "if that is expected")
+
+
+def _kind_hint(pat, op: Op, infos) -> str | None:
+    """Why modules fit none of the rule's kinds, from their structure (what the kind needs, what they lack)."""
+    from .ops.kinds import KIND_NEEDS, kind_misses
+
+    kinds = [a for a in pat.alternatives if a in KIND_NAMES] or list(op.kinds)
+    i = infos[0]
+    parts = []
+    for k in kinds:
+        miss = kind_misses(k, i.children)
+        need = KIND_NEEDS.get(k)
+        if need:
+            parts.append(f"{k} needs {need}" + (f"; {i.cls} has no {miss}" if miss else
+                                                f"; {i.cls}'s forward or sizes differ"))
+    if not parts:
+        return None
+    kids = ", ".join(i.children) or "none"
+    return f"{i.cls} (children: {kids}) fits no {' or '.join(kinds)}: " + "; ".join(parts)

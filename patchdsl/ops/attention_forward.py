@@ -53,6 +53,11 @@ class AttentionAnalysis:
     fused_qkv: bool                     # self.qkv_proj instead of q/k/v_proj
     qk_norm: bool                       # calls self.q_norm / self.k_norm
     extras: Callable = field(hash=False)  # (self, ns) -> (interface, update_args, update_kwargs, iface_kwargs)
+    # per-layer NoPE (SmolLM3 ``if self.use_rope:``, Exaone 4 ``if self.sliding_window is None or
+    # self.is_sliding:``, Granite SWA ``if position_embeddings is not None:``): the original's own
+    # condition, ``rope_cond(self, ns)`` over the module and the forward's arguments; None = always rotate
+    rope_cond: Callable | None = field(default=None, hash=False)
+    rope_cond_text: str = ""
 
 
 def _is_self_attr(node: ast.AST, attr: str) -> bool:
@@ -156,6 +161,7 @@ def _analyse(cls: type) -> "AttentionAnalysis | str":
     if other_self_calls:
         return f"{name}.forward also calls self.{sorted(other_self_calls)[0]}, which the replacement does not reproduce"
 
+    rope_if = None
     for s in stmts:
         if isinstance(s, (ast.For, ast.While, ast.With, ast.Try)):
             return f"{name}.forward has a {type(s).__name__.lower()} statement the replacement does not reproduce"
@@ -164,6 +170,9 @@ def _analyse(cls: type) -> "AttentionAnalysis | str":
             ok = (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == cache_param
                   and len(t.ops) == 1 and isinstance(t.ops[0], ast.IsNot)
                   and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value is None and not s.orelse)
+            if not ok and rope_if is None and _is_rope_branch(s):
+                rope_if = s           # per-layer NoPE: the rotation (and cos/sin unpacking) only, on a module fact
+                continue
             if not ok:
                 return f"{name}.forward has a branch ('if {ast.unparse(t)}') the replacement does not reproduce"
 
@@ -281,16 +290,58 @@ def _analyse(cls: type) -> "AttentionAnalysis | str":
     expr = ast.fix_missing_locations(ast.Expression(lam))
     code = compile(expr, f"<patchdsl: arguments of {cls.__module__}.{cls.__qualname__}.forward>", "eval")
     extras = eval(code, globs)  # noqa: S307 - the original class's own expressions, in its own module
-    return AttentionAnalysis(cls, params, kwonly, defaults, cache_param, kwargs_name, fused, qk_norm, extras)
+    rope_cond, cond_text = None, ""
+    if rope_if is not None:
+        test = rope_if.test
+        pnames = set(params) | set(kwonly)
+        names = _names(test) - {"self"}
+        if any(n in assigned for n in names) or any(n not in pnames and n not in globs and not hasattr(builtins, n)
+                                                    for n in names):
+            return (f"{name}.forward rotates under 'if {ast.unparse(test)}', which reads more than the module's "
+                    f"attributes and the forward's parameters")
+        lam = ast.Lambda(ast.arguments(posonlyargs=[], args=[ast.arg("self"), ast.arg("__ns")], vararg=None,
+                                       kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
+                         _ToNamespace(pnames).visit(copy.deepcopy(test)))
+        ccode = compile(ast.fix_missing_locations(ast.Expression(lam)),
+                        f"<patchdsl: rotary condition of {cls.__module__}.{cls.__qualname__}.forward>", "eval")
+        rope_cond = eval(ccode, globs)  # noqa: S307 - the original's own condition, in its own module
+        cond_text = ast.unparse(test)
+    return AttentionAnalysis(cls, params, kwonly, defaults, cache_param, kwargs_name, fused, qk_norm, extras,
+                             rope_cond, cond_text)
 
 
-def build_forward(an: AttentionAnalysis, qk_fn: Callable) -> Callable:
+def _is_rope_branch(s: ast.If) -> bool:
+    """``if <condition>: [cos, sin = position_embeddings]; query_states, key_states = apply_rotary_pos_emb(...)``
+    with no else: the per-layer NoPE shape (the condition is checked by the caller)."""
+    if s.orelse or not s.body or len(s.body) > 2:
+        return False
+    *first, last = s.body
+    if first and not (isinstance(first[0], ast.Assign) and len(first[0].targets) == 1
+                      and _is_name_tuple(first[0].targets[0], ("cos", "sin"))
+                      and isinstance(first[0].value, ast.Name) and first[0].value.id == "position_embeddings"):
+        return False
+    return (isinstance(last, ast.Assign) and len(last.targets) == 1
+            and _is_name_tuple(last.targets[0], ("query_states", "key_states"))
+            and isinstance(last.value, ast.Call) and isinstance(last.value.func, ast.Name)
+            and last.value.func.id == "apply_rotary_pos_emb")
+
+
+def _module_norms(self, q, k):
+    return self.q_norm(q), self.k_norm(k)
+
+
+def build_forward(an: AttentionAnalysis, qk_fn: Callable, norm_fn: Callable | None = None) -> Callable:
     """The replacement ``forward(self, *args, **kwargs)``.
 
     ``qk_fn(self, q, k, cos, sin)`` takes q/k as (batch, seq, heads, head_dim) and returns them
-    rotated (and normalised, for fused_qk_norm_rope) in the same layout.
+    rotated (and normalised, for fused_qk_norm_rope) in the same layout.  On a layer the original
+    does not rotate (``an.rope_cond``: per-layer NoPE) ``norm_fn(self, q, k)`` runs instead (default:
+    q_norm/k_norm called per head when the original calls them, else nothing).
     """
     params, kwonly, cp, kwn = an.params, an.kwonly, an.cache_param, an.kwargs_name
+    rope_cond = an.rope_cond
+    if norm_fn is None:
+        norm_fn = _module_norms if an.qk_norm else (lambda self, q, k: (q, k))
     other_cache = [c for c in _CACHE_NAMES if c != cp]
     named = set(params) | set(kwonly)
     fused = an.fused_qkv
@@ -336,8 +387,12 @@ def build_forward(an: AttentionAnalysis, qk_fn: Callable) -> Callable:
         k = k.view(hidden_shape)
         value_states = v.view(hidden_shape).transpose(1, 2)
 
-        cos, sin = ns["position_embeddings"]
-        q, k = qk_fn(self, q, k, cos, sin)
+        if rope_cond is None or rope_cond(self, ns):
+            cos, sin = ns["position_embeddings"]
+            q, k = qk_fn(self, q, k, cos, sin)
+        else:
+            cos = sin = None
+            q, k = norm_fn(self, q, k)
         query_states = q.transpose(1, 2)
         key_states = k.transpose(1, 2)
 
@@ -419,7 +474,8 @@ def _stand_in(module: Any, facts: dict):
     return stand
 
 
-def probe(module: Any, facts: dict, an: AttentionAnalysis, qk_ref: Callable, mode: str) -> str | None:
+def probe(module: Any, facts: dict, an: AttentionAnalysis, qk_ref: Callable, mode: str,
+          norm_fn: Callable | None = None) -> str | None:
     """Run the original class forward and the replacement (with ``qk_ref``) on a tiny stand-in.
 
     Two steps through a DynamicCache (a 3-token prefill, then one token), batch 2; outputs,
@@ -430,11 +486,19 @@ def probe(module: Any, facts: dict, an: AttentionAnalysis, qk_ref: Callable, mod
     # Layers of one class differ only by their layer type (sliding / full attention), so one
     # probe per (class, mode, facts, layer type) is enough.
     layer_kind = tuple(repr(getattr(module, a, None)) for a in ("layer_type", "is_sliding", "sliding_window"))
+    if an.rope_cond is not None:         # per-layer NoPE: rotating and plain layers are probed apart
+        try:
+            layer_kind += (bool(an.rope_cond(module, {"position_embeddings": True})),)
+        except Exception as e:  # noqa: BLE001
+            return f"{an.cls.__name__}: its rotary condition ('{an.rope_cond_text}') cannot be read ({type(e).__name__})"
     key = (an.cls, mode, repr(sorted(facts.items())), layer_kind)
     if key in _probe_cache:
         return _probe_cache[key]
+    reason = layout_reason(module, facts, an)
+    if reason:
+        return reason
     try:
-        reason = _probe(module, facts, an, qk_ref)
+        reason = _probe(module, facts, an, qk_ref, norm_fn)
     except Exception as e:  # noqa: BLE001
         reason = f"the stand-in comparison of {an.cls.__name__} failed ({type(e).__name__}: {str(e)[:120]})"
     _probe_cache[key] = reason
@@ -442,7 +506,32 @@ def probe(module: Any, facts: dict, an: AttentionAnalysis, qk_ref: Callable, mod
     return reason
 
 
-def _probe(module, facts, an, qk_ref) -> str | None:
+def layout_reason(module: Any, facts: dict, an: AttentionAnalysis) -> str | None:
+    """Why the projections' widths are not the (heads x head_dim) layout the replacement splits, named by
+    what they are (a query doubled by an output gate, as Qwen3.5's), or None."""
+    from .kinds import linear_like
+
+    d, nq, nk = int(facts["head_dim"]), int(facts["n_heads"]), int(facts["n_kv_heads"])
+    name = an.cls.__name__
+    if an.fused_qkv:
+        lin = linear_like(getattr(module, "qkv_proj", None))
+        if lin is not None and lin.out_features != (nq + 2 * nk) * d:
+            return (f"{name}.qkv_proj produces {lin.out_features} features, not (heads + 2 x kv heads) x head_dim "
+                    f"= {(nq + 2 * nk) * d}: a layout the replacement does not split")
+        return None
+    widths = {n: getattr(linear_like(getattr(module, n, None)), "out_features", None) for n in ("q_proj", "k_proj", "v_proj")}
+    if widths["q_proj"] == 2 * nq * d:
+        return (f"{name}.q_proj produces 2 x heads x head_dim features (the query and a per-head output gate, "
+                f"as Qwen3.5's gated attention): the replacement does not reproduce the gate")
+    want = {"q_proj": nq * d, "k_proj": nk * d, "v_proj": nk * d}
+    for n, w in widths.items():
+        if w is not None and w != want[n]:
+            return (f"{name}.{n} produces {w} features, not {'heads' if n == 'q_proj' else 'kv heads'} x head_dim "
+                    f"= {want[n]} (a head size or head count other than the config's)")
+    return None
+
+
+def _probe(module, facts, an, qk_ref, norm_fn=None) -> str | None:
     import torch
 
     try:
@@ -461,17 +550,30 @@ def _probe(module, facts, an, qk_ref) -> str | None:
         x = torch.randn(2, s, hid, generator=g)
         ang = torch.randn(1, s, r, generator=g) * 2
         steps.append((x, ang.cos(), ang.sin()))
-    replacement = types.MethodType(build_forward(an, qk_ref), stand)
+    replacement = types.MethodType(build_forward(an, qk_ref, norm_fn), stand)
     original = types.MethodType(an.cls.forward, stand)
     caches = []
     results = []
+    takes_positions = "position_ids" in an.params + an.kwonly
     with torch.no_grad():
         for fwd in (original, replacement):
             cache = DynamicCache() if DynamicCache is not None else None
             outs = []
+            start = 0
             for x, c, s_ in steps:
                 kw = {"position_embeddings": (c, s_), "attention_mask": None, an.cache_param: cache}
-                outs.append(fwd(x, **kw))
+                if takes_positions:      # Ministral 3 / Llama 4 scale queries by position
+                    kw["position_ids"] = torch.arange(start, start + x.shape[1])[None].expand(x.shape[0], -1)
+                start += x.shape[1]
+                if fwd is original:
+                    try:
+                        outs.append(fwd(x, **kw))
+                    except (RuntimeError, ValueError, IndexError) as e:
+                        return (f"{an.cls.__name__}.forward itself rejects q/k rotated by cos/sin of shape "
+                                f"(batch, seq, rotary_dim={r}) on a stand-in ({type(e).__name__}: {str(e)[:90]}): "
+                                f"its rotary embedding has a layout fused_rope does not compute")
+                else:
+                    outs.append(fwd(x, **kw))
             results.append(outs)
             caches.append(cache)
     for step, (o, n) in enumerate(zip(*results)):

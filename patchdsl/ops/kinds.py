@@ -120,7 +120,7 @@ def rmsnorm(m: Any) -> dict | None:
     return {"hidden": int(h), "eps": eps, "offset": offset, "casting": casting}
 
 
-@kind("LayerNorm", "y = (x - mean) / std * w + b, with or without bias")
+@kind("LayerNorm", "y = (x - mean) / std * (offset + w) + b, with or without bias; offset 1 = LayerNorm1P (probed)")
 def layernorm(m: Any) -> dict | None:
     torch = _torch()
     w = getattr(m, "weight", None)
@@ -144,10 +144,17 @@ def layernorm(m: Any) -> dict | None:
         out = _run_class_forward(m, stand_in(m, **params), x)
     except Exception:
         return None
-    ref = torch.nn.functional.layer_norm(x, (h,), wt, bt, eps)
-    if not isinstance(out, torch.Tensor) or out.shape != ref.shape or not torch.allclose(out, ref, rtol=1e-5, atol=1e-5):
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         return None
-    return {"hidden": int(h), "eps": eps, "bias": has_bias}
+    # offset 1: Nemotron's LayerNorm1P scales by (1 + w)
+    for off in (0.0, 1.0):
+        ref = torch.nn.functional.layer_norm(x, (h,), wt + off, bt, eps)
+        if torch.allclose(out, ref, rtol=1e-5, atol=1e-5):
+            f = {"hidden": int(h), "eps": eps, "bias": has_bias}
+            if off:
+                f["offset"] = off
+            return f
+    return None
 
 
 def _activation(act: Any) -> str | None:
@@ -289,7 +296,9 @@ def decoder_layer(m: Any) -> dict | None:
     return {"hidden": f["hidden"], "eps": f["eps"], "offset": f["offset"], "casting": f["casting"], "layout": layout}
 
 
-# ==================================================================================================
+# ===========================================================================================
+
+
 # Mixture of experts (issue 24): the experts module and the sparse MoE block.
 # ==================================================================================================
 EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_clamp")
@@ -556,3 +565,33 @@ def moe_block(m: Any) -> dict | None:
     facts["shared_gate"] = isinstance(m._modules.get("shared_expert_gate"), torch.nn.Module)
     facts["activation"] = fe["activation"]
     return facts
+=======
+# ---- what each kind needs, structurally (for errors that say why a module fits no kind) ----------------
+# (helper "families"; read by patchdsl.select when a rule's modules fit no kind)
+KIND_NEEDS = {
+    "RMSNorm": ("a 1-D weight, no bias, an eps attribute, no children, and a forward equal to "
+                "x / rms(x) * (offset + w)"),
+    "LayerNorm": "a 1-D weight, an eps attribute, no children, and a forward equal to F.layer_norm (offset 0 or 1)",
+    "SwiGLU": "children gate_proj + up_proj (or gate_up_proj) and down_proj, and an act_fn computing silu",
+    "GeGLU": "children gate_proj + up_proj (or gate_up_proj) and down_proj, and an act_fn computing GELU",
+    "Attention": "children q_proj, k_proj, v_proj (or qkv_proj) and o_proj, a config, head_dim and head counts",
+    "CausalLM": "attributes model (the base model), lm_head and config",
+    "DecoderLayer": "children input_layernorm, self_attn, post_attention_layernorm and mlp",
+}
+
+
+def kind_misses(kind: str, children: tuple) -> str:
+    """What of ``KIND_NEEDS[kind]`` a module with these children lacks, read off the names alone ("" if
+    its children look right: then its forward or sizes differ)."""
+    ch = set(children)
+    if kind == "Attention":
+        miss = [n for n in ("o_proj",) if n not in ch]
+        if "qkv_proj" not in ch:
+            miss = [n for n in ("q_proj", "k_proj", "v_proj") if n not in ch] + miss
+        return ", ".join(miss)
+    if kind in ("SwiGLU", "GeGLU"):
+        miss = [] if "gate_up_proj" in ch else [n for n in ("gate_proj", "up_proj") if n not in ch]
+        return ", ".join(miss + [n for n in ("down_proj",) if n not in ch])
+    if kind in ("RMSNorm", "LayerNorm") and ch:
+        return "no children"
+    return ""

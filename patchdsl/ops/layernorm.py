@@ -1,4 +1,9 @@
-"""fused_layernorm: LayerNorm (with or without bias), output in the input dtype, computed in fp32."""
+"""fused_layernorm: LayerNorm (with or without bias), output in the input dtype, computed in fp32.
+
+With an offset (Nemotron's LayerNorm1P: ``F.layer_norm(x, ..., weight + 1, bias)``) the forward hands the
+kernel ``weight + offset``, computed as the module computes it (in the weight's dtype); the kernel's
+weight gradient is then the gradient of ``weight`` itself (d(w + c)/dw = 1), through autograd.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ class FusedLayerNorm(Op):
     doc = "LayerNorm forward and backward in one kernel each (dx, dW, dB); dW/dB reduced on the device."
     flags = (
         FlagSpec("eps", "float", "auto", "epsilon added to the variance; auto = the module's own", auto_ok=True, min=0.0),
+        FlagSpec("offset", "float", "auto", "scale is (offset + w); auto = probed (0 for LayerNorm, 1 for "
+                 "Nemotron's LayerNorm1P)", auto_ok=True),
         FlagSpec("block", "int", "auto", "block size in elements (power of two); auto = by hidden size",
                  auto_ok=True, min=16, max=BLOCK_MAX),
     )
@@ -53,9 +60,17 @@ class FusedLayerNorm(Op):
         return None
 
     def make_forward(self, module, kernels, flags, info):
+        offset = float(resolve_auto(flags, "offset", info.facts("LayerNorm").get("offset", 0.0)))
         if info.facts("LayerNorm").get("bias"):
+            if offset:
+                def forward(self, hidden_states, *args, **kwargs):
+                    return kernels(hidden_states.dtype).layernorm(hidden_states, self.weight + offset, self.bias)
+            else:
+                def forward(self, hidden_states, *args, **kwargs):
+                    return kernels(hidden_states.dtype).layernorm(hidden_states, self.weight, self.bias)
+        elif offset:
             def forward(self, hidden_states, *args, **kwargs):
-                return kernels(hidden_states.dtype).layernorm(hidden_states, self.weight, self.bias)
+                return kernels(hidden_states.dtype).layernorm(hidden_states, self.weight + offset)
         else:
             def forward(self, hidden_states, *args, **kwargs):
                 return kernels(hidden_states.dtype).layernorm(hidden_states, self.weight)

@@ -74,6 +74,35 @@ def attention_reason(f: Mapping[str, Any]) -> str | None:
     return None
 
 
+def norm_scope(module: Any, f: Mapping[str, Any]) -> str | None:
+    """What the attention's q_norm/k_norm normalise: "head" (each head, head_dim wide: Qwen3), "projection"
+    (the whole q / k projection, heads x head_dim wide: OLMo 2/3), or None (neither: refused)."""
+    from .kinds import unwrap
+
+    d, nq, nk = int(f["head_dim"]), int(f["n_heads"]), int(f["n_kv_heads"])
+    widths = []
+    for n in ("q_norm", "k_norm"):
+        w = getattr(unwrap(getattr(module, n, None)), "weight", None)
+        if w is None or w.dim() != 1:
+            return None
+        widths.append(int(w.shape[0]))
+    if widths == [d, d]:
+        return "head"
+    if widths == [nq * d, nk * d]:
+        return "projection"
+    return None
+
+
+def apply_qk_norms(self: Any, q: Any, k: Any, scope: str | None):
+    """q_norm/k_norm called as modules on (batch, seq, heads, head_dim) q and k: per head, or over the
+    whole projection (the contiguous heads x head_dim of each token, as the projection produced it)."""
+    if scope == "projection":
+        qs, ks = q.shape, k.shape
+        return (self.q_norm(q.reshape(*qs[:-2], qs[-2] * qs[-1])).view(qs),
+                self.k_norm(k.reshape(*ks[:-2], ks[-2] * ks[-1])).view(ks))
+    return self.q_norm(q), self.k_norm(k)
+
+
 ROPE_FLAGS = (
     FlagSpec("block", "int", "auto",
              "tile size in elements (heads x rotary_dim/2, power of two); all heads of a token in one tile "
@@ -111,15 +140,18 @@ class FusedRope(Op):
         an = analyse(type(module))
         if isinstance(an, str):
             return an
-        if an.qk_norm and "qk_norm" not in f:
-            return "its q_norm/k_norm are not RMSNorms over head_dim, so they cannot run on per-head q/k"
+        scope = norm_scope(module, f) if an.qk_norm else None
+        if an.qk_norm and scope is None:
+            return ("its q_norm/k_norm normalise neither each head (head_dim) nor the whole q/k projection "
+                    "(heads x head_dim), so the replacement cannot call them")
 
         def qk_ref(self, q, k, cos, sin):
             if an.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = apply_qk_norms(self, q, k, scope)
             return reference_rope(q, k, cos, sin)
 
-        return probe(module, dict(f), an, qk_ref, "rope")
+        return probe(module, dict(f), an, qk_ref, "rope",
+                     lambda self, q, k: apply_qk_norms(self, q, k, scope) if an.qk_norm else (q, k))
 
     def make_forward(self, module, kernels, flags, info):
         from .attention_forward import analyse, build_forward, reference_rope
@@ -128,15 +160,16 @@ class FusedRope(Op):
         if isinstance(an, str):
             raise ValueError(f"fused_rope cannot patch {type(module).__name__}: {an}")
         norm = an.qk_norm
+        scope = norm_scope(module, info.facts("Attention")) if norm else None
 
         def qk(self, q, k, cos, sin):
             if norm:
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = apply_qk_norms(self, q, k, scope)
             if cos.requires_grad or sin.requires_grad or str(q.dtype) not in SUPPORTED_DTYPES or q.dtype != k.dtype:
                 return reference_rope(q, k, cos, sin)  # learned cos/sin or an unsupported dtype: plain torch
             return kernels(q.dtype).rope(q, k, cos, sin)
 
-        return build_forward(an, qk)
+        return build_forward(an, qk, lambda self, q, k: apply_qk_norms(self, q, k, scope) if norm else (q, k))
 
 
 register(FusedRope())

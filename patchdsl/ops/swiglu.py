@@ -143,6 +143,8 @@ class FusedGLU(Op):
         in_place = bool(flags.get("in_place", True))
         supported = (torch.float32, torch.bfloat16, torch.float16)
         eager_act = _reference_activation(self.activation(f, flags))
+        if output_dropout(module):
+            return self._with_output_dropout(module, kernels, flags, info)
 
         if f["fused_gate_up"]:
             def forward(self, x, *args, **kwargs):
@@ -163,6 +165,32 @@ class FusedGLU(Op):
                 return self.down_proj(kernels(gate.dtype).glu(gate, up, in_place=in_place))
 
         return forward
+
+
+    def _with_output_dropout(self, module, kernels, flags, info):
+        """The forward of an MLP that ends in ``F.dropout(out, p=self.<attr>, training=self.training)``
+        (Seed-OSS): the plain forward, then the same dropout call at the same place (same RNG draws)."""
+        import torch.nn.functional as F
+
+        plain = self.make_forward(_NoDropout(module), kernels, flags, info)
+        attr = next(a for a in OUTPUT_DROPOUT_ATTRS if isinstance(getattr(module, a, None), float))
+
+        def forward(self, x, *args, **kwargs):
+            return F.dropout(plain(self, x, *args, **kwargs), p=getattr(self, attr), training=self.training)
+
+        return forward
+
+
+class _NoDropout:
+    """``module`` as make_forward sees it, minus its output dropout (so the plain forward is built)."""
+
+    def __init__(self, module):
+        self._m = module
+
+    def __getattr__(self, name):
+        if name in OUTPUT_DROPOUT_ATTRS:
+            return 0.0
+        return getattr(self._m, name)
 
 
 def _reference_activation(name: str):
@@ -224,8 +252,10 @@ def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -
         projs["up_proj"] = lin(h, i, has_bias("up_proj"))
     clone._modules.update(projs)
     x = torch.randn(3, h, generator=g, dtype=torch.float64)
+    p_drop = output_dropout(module)
     try:
         with torch.no_grad():
+            torch.manual_seed(11)
             out = type(module).forward(clone, x)
     except Exception as e:  # a forward that needs more than (x) or real sizes
         return f"{where}: could not probe its forward on a small stand-in ({type(e).__name__}: {e})"
@@ -236,11 +266,49 @@ def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -
         else:
             gate, up = projs["gate_proj"](x), projs["up_proj"](x)
         ref = projs["down_proj"](act(gate) * up)
-    if not isinstance(out, torch.Tensor) or out.shape != ref.shape or not torch.allclose(out, ref, rtol=1e-9, atol=1e-12):
+        if p_drop:
+            # dropout on the output (Seed-OSS's residual_dropout): the replacement makes the same
+            # F.dropout call at the same place, so under the same seed it draws the same mask
+            torch.manual_seed(11)
+            ref = torch.nn.functional.dropout(ref, p=p_drop, training=True)
+
+    def same(a):
+        return isinstance(a, torch.Tensor) and a.shape == ref.shape and torch.allclose(a, ref, rtol=1e-9, atol=1e-12)
+
+    if not same(out):
         layout = "gate_up_proj(x) split gate-first" if fused else "gate_proj(x), up_proj(x)"
+        # the true reason when only training mode differs: randomness (dropout) the op does not reproduce
+        clone.__dict__["training"] = False
+        for c in clone._modules.values():
+            if c is not None:
+                c.__dict__["training"] = False
+        try:
+            with torch.no_grad():
+                ev = type(module).forward(clone, x)
+        except Exception:  # noqa: BLE001
+            ev = None
+        if not p_drop and isinstance(ev, torch.Tensor) and ev.shape == ref.shape \
+                and torch.allclose(ev, ref, rtol=1e-9, atol=1e-12):
+            return (f"{where}: its forward does not compute down_proj({activation}(gate) * up) in training mode: "
+                    f"it is random there (dropout with p > 0 somewhere other than an output-dropout attribute "
+                    f"the op reproduces) and matches only in eval mode; not patched")
         return (f"{where}: its forward does not compute down_proj({activation}(gate) * up) with "
-                f"{layout}; not patched")
+                f"{layout}" + (f" followed by dropout(p={p_drop})" if p_drop else "") + "; not patched")
     return None
+
+
+# float attributes an MLP's forward uses as dropout on its output (Seed-OSS: residual_dropout)
+OUTPUT_DROPOUT_ATTRS = ("residual_dropout",)
+
+
+def output_dropout(module: Any) -> float:
+    """p of the dropout the MLP applies to its output (``F.dropout(down, p=self.residual_dropout,
+    training=self.training)``), 0.0 when it has none; the probe checks that this is what the forward does."""
+    for a in OUTPUT_DROPOUT_ATTRS:
+        v = getattr(module, a, None)
+        if isinstance(v, float) and v > 0:
+            return v
+    return 0.0
 
 
 GLU_FLAGS = (

@@ -159,8 +159,10 @@ def primary_input(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
     return None
 
 
-def base_stub(hidden: Any) -> Any:
-    """A module standing in for a causal LM's base model: returns ``hidden`` as the last hidden state."""
+def base_stub(hidden: Any, like: Any = None) -> Any:
+    """A module standing in for a causal LM's base model: returns ``hidden`` as the last hidden state.
+    It carries the plain number/flag attributes of ``like`` (the base model it replaces): a causal LM's
+    forward may read them (Falcon-H1: ``self.model.lm_head_multiplier``)."""
     import torch
 
     try:     # a superset of BaseModelOutputWithPast: MoE causal LMs also read .router_logits (None here)
@@ -174,9 +176,21 @@ def base_stub(hidden: Any) -> Any:
             self.h = h
 
         def forward(self, *args, **kwargs):
-            return BaseModelOutputWithPast(last_hidden_state=self.h)
+            return _StubOutput(last_hidden_state=self.h)
 
-    return BaseModelStub(hidden)
+    class _StubOutput(BaseModelOutputWithPast):
+        # a causal LM's forward may read more of its base model's output (MoE models: router_logits,
+        # used only when the config asks for them): what the stub does not compute reads as None
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    stub = BaseModelStub(hidden)
+    for k, v in (vars(like).items() if like is not None else ()):
+        if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str)):
+            setattr(stub, k, v)
+    return stub
 
 
 def run_site(model: Any, host_path: str, site_path: str, captured: Captured, dtype: Any, device: Any,
@@ -207,7 +221,7 @@ def run_host(host: Any, module: Any, host_path: str, captured: Captured, dtype: 
         x = cast_to(captured.base_hidden, dtype, device).requires_grad_(True)
         name = base_model_name(host)
         restore = (name, host._modules[name])
-        host._modules[name] = base_stub(x)
+        host._modules[name] = base_stub(x, host._modules[name])
     else:
         loc = primary_input(args, kwargs)
         x = None

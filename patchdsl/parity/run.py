@@ -57,7 +57,7 @@ def _prepare(model: Any, dtype: Any, device: Any) -> Any:
     for m in model.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
             m.p = 0.0
-        for attr in ("attention_dropout", "dropout", "hidden_dropout", "resid_dropout"):
+        for attr in ("attention_dropout", "dropout", "hidden_dropout", "resid_dropout", "residual_dropout"):
             v = m.__dict__.get(attr)
             if isinstance(v, float) and not isinstance(v, bool):
                 setattr(m, attr, 0.0)

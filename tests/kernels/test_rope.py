@@ -505,14 +505,16 @@ def test_branching_or_other_rope_conventions_are_refused():
     assert isinstance(reason, str) and "branch" in reason
 
 
-def test_full_hidden_qk_norm_is_refused():
-    """Olmo2 normalises the whole q projection (not per head): fused_rope cannot call it per head."""
+def test_qk_norm_of_neither_width_is_refused():
+    """Olmo2 normalises the whole q projection (patched: tests/kernels/test_rope_variants.py); a q_norm
+    over some other width can be called neither per head nor per projection: refused, with the reason."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("olmo2", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=64, pad_token_id=0)
     attn = AutoModelForCausalLM.from_config(cfg).model.layers[0].self_attn
-    with pytest.raises(PatchError, match="not RMSNorms over head_dim"):
+    attn.q_norm = type(attn.q_norm)(32, eps=1e-6)
+    with pytest.raises(PatchError, match="neither each head .* nor the whole q/k projection"):
         patch_module(attn, OP)
 
 
