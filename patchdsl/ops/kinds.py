@@ -565,7 +565,8 @@ def moe_block(m: Any) -> dict | None:
     facts["shared_gate"] = isinstance(m._modules.get("shared_expert_gate"), torch.nn.Module)
     facts["activation"] = fe["activation"]
     return facts
-=======
+
+
 # ---- what each kind needs, structurally (for errors that say why a module fits no kind) ----------------
 # (helper "families"; read by patchdsl.select when a rule's modules fit no kind)
 KIND_NEEDS = {
