@@ -624,7 +624,7 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
 @click.option("--all", "everything", is_flag=True, help="Every module, not only norms, MLPs, attention and the LM head.")
 @click.option("--no-fold", "no_fold", is_flag=True, help="One row per module (repeated layers are folded by default).")
-@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@json_option
 def inspect_cmd(model: str, everything: bool, no_fold: bool, as_json: bool) -> None:
     """List a model's modules with their structural kinds and facts (sizes, eps, offset, activation, rotary)."""
     from .index import build_index
@@ -633,7 +633,9 @@ def inspect_cmd(model: str, everything: bool, no_fold: bool, as_json: bool) -> N
     loaded = _load_model(model, meta=True, log=lambda m: None)
     index = build_index(loaded.model)
     if as_json:
-        click.echo(json.dumps(inspect_model(index, everything=everything, fold=not no_fold), indent=2, default=str))
+        click.echo(json.dumps({"ok": True, "exit_code": EXIT_OK,
+                               **inspect_model(index, everything=everything, fold=not no_fold)},
+                              indent=2, default=str))
     else:
         click.echo(render(index, everything=everything, fold=not no_fold), nl=False)
 

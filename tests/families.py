@@ -21,14 +21,16 @@ FAMILIES = {
 SPEC_OF = {f: f for f in FAMILIES}
 
 
-def tiny_config(family: str, **over):
-    model_type, extra = FAMILIES[family]
-    kw = dict(COMMON)
-    kw.update(extra)
-    kw.update(over)
-    cfg = AutoConfig.for_model(model_type, **kw)
+def config_for(model_type: str, common: dict, extra: dict, **over):
+    """A config of ``model_type`` from ``common`` sizes, a family's ``extra`` and ``over`` (eager attention)."""
+    cfg = AutoConfig.for_model(model_type, **{**common, **extra, **over})
     cfg._attn_implementation = "eager"
     return cfg
+
+
+def tiny_config(family: str, **over):
+    model_type, extra = FAMILIES[family]
+    return config_for(model_type, COMMON, extra, **over)
 
 
 def tiny_model(family: str, seed: int = 0, dtype=torch.float32, **over):

@@ -8,7 +8,9 @@ what these models add, and one layer of each is what the CPU tests can afford.
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
+
+from .families import config_for
 
 COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -36,12 +38,7 @@ MOE_FAMILIES = {
 
 def tiny_moe_config(family: str, **over):
     model_type, extra, _ = MOE_FAMILIES[family]
-    kw = dict(COMMON)
-    kw.update(extra)
-    kw.update(over)
-    cfg = AutoConfig.for_model(model_type, **kw)
-    cfg._attn_implementation = "eager"
-    return cfg
+    return config_for(model_type, COMMON, extra, **over)
 
 
 def tiny_moe_model(family: str, seed: int = 0, dtype=torch.float32, **over):

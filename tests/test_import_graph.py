@@ -146,7 +146,10 @@ def test_detector_finds_each_kind_of_circle(name, tmp_path):
 UTILITIES = {"files", "resources", "_version", "_interp", "plantext"}
 LAYERS = {
     "cli": {"workload", "translate", "integrations", "bench", "parity", "runtime", "planner", "codegen", "models",
-            "check", "index", "select", "syntax", "ops"},
+            "check", "index", "select", "syntax", "ops", "census", "suggestion", "inspection"},
+    "census": {"suggestion", "parity", "models"},
+    "suggestion": {"inspection", "planner", "check", "codegen", "index", "ops", "syntax"},
+    "inspection": {"index"},
     "bench": {"parity", "runtime", "planner", "codegen", "index", "models", "ops", "__init__"},
     "integrations": {"parity", "runtime", "planner", "check", "index", "ops", "syntax"},
     "parity": {"runtime", "planner", "codegen", "ops"},

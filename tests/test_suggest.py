@@ -195,7 +195,7 @@ def test_cli_inspect_and_suggest(tmp_path):
     assert r.exit_code == 0 and "113/113 norms" in r.output
     r = CliRunner().invoke(main, ["plan", str(out), "--model", "Qwen/Qwen3-0.6B"])
     assert r.exit_code == 0, r.output
-    assert "28/28 mlp patched" in r.output and ", 0 refused," in r.output
+    assert "28/28 mlp" in r.output and ", 0 refused," in r.output
 
 
 def test_cli_suggest_bad_model_is_exit_2():

@@ -154,6 +154,9 @@ class Op:
     # installed Liger-Kernel op) loaded by ``load`` instead of a generated one.  They plan, patch,
     # undo and verify through the same planner, runtime and parity code as generated ops.
     external: ClassVar[bool] = False
+    # whether the generated module holds Triton kernels (fp8_linear's calls torch._scaled_mm): the
+    # sm_90 compile test asks every op that has them to launch one
+    triton_kernels: ClassVar[bool] = True
     positional: ClassVar[tuple[str, ...]] = ()  # flags that may be given as positional values
     any_kind: ClassVar[bool] = False          # may replace any selected module (Hub layers)
 

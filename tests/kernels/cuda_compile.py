@@ -217,10 +217,11 @@ def _stub_cuda_queries():
 
 
 def _generated_ops():
-    """The registered ops whose kernels patchdsl generates (external hub/liger ops load third-party ones)."""
+    """The registered ops whose Triton kernels patchdsl generates (external hub/liger ops load
+    third-party ones; an op with ``triton_kernels = False`` generates host code around torch's own)."""
     from patchdsl.ops.registry import ops
 
-    return [op for op in ops().values() if not op.external]
+    return [op for op in ops().values() if not op.external and op.triton_kernels]
 
 
 def _no_matmul_mode():
