@@ -48,6 +48,8 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("norms", "LayerNorm", "fused_layernorm", "", "LayerNorm, one kernel forward and one backward"),
     Candidate("mlp", "SwiGLU", "fused_swiglu", "", "silu(gate) * up in one kernel (projections stay GEMMs)"),
     Candidate("mlp", "GeGLU", "fused_geglu", "", "gelu(gate) * up in one kernel (projections stay GEMMs)"),
+    Candidate("mlp", "Experts", "fused_experts", "",
+              "routed experts: grouped GEMMs with the activation and the routing weights in their epilogues"),
     Candidate("loss", "Linear", "fused_linear_cross_entropy", "ignore_index=-100, chunk=auto",
               "lm_head matmul + cross entropy in chunks: the logits never exist whole"),
 )
@@ -94,6 +96,10 @@ def _leaf(path: str) -> str:
 def _concern(info) -> str | None:
     """Which column of the census a module counts in (None: not a module a spec is written for)."""
     ks = info.kinds
+    if "MoEBlock" in ks:
+        return None          # a sparse MoE block: its experts module (and shared-expert MLPs) are the sites
+    if "Experts" in ks:
+        return "mlp"
     if "Attention" in ks:
         return "attention"
     if "RMSNorm" in ks or "LayerNorm" in ks:
@@ -123,7 +129,7 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
     named = dict(module.named_children()) if module is not None else {}
     if concern == "mlp":
         if "experts" in named or "router" in named or "gate" in named and not hasattr(module, "gate_proj"):
-            return f"a mixture of experts (routed experts); no MoE op yet"
+            return "a mixture-of-experts block whose experts fit no Experts kind (3-D expert weights, probed activation)"
         lin = [n for n, c in named.items() if isinstance(c, torch.nn.Linear)]
         if hasattr(module, "up_proj") and not hasattr(module, "gate_proj") or len(lin) == 2 and "gate_up_proj" not in named:
             return f"a non-gated MLP ({' -> '.join(lin)} with an activation between); no op for it yet"
