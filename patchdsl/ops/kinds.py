@@ -499,6 +499,20 @@ def _router_candidates(r: Any, x: Any, wt: Any, bias: Any, facts: Mapping[str, A
     return out
 
 
+def _router_roles(out: Any, k: int) -> tuple[Any, Any] | None:
+    """(top-k weights, top-k indices) among a router's three outputs: the indices are the one integer
+    tensor, wherever it stands (transformers 5.17's GraniteMoe router returns (index, weights, logits),
+    5.24's (logits, weights, index)); the weights stand in the middle in both."""
+    torch = _torch()
+    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        return None
+    ints = [t for t in out if not t.is_floating_point()]
+    w = out[1]
+    if len(ints) != 1 or not w.is_floating_point() or w.dim() != 2 or w.shape[-1] != k:
+        return None
+    return w, ints[0]
+
+
 @kind("MoEBlock", "a sparse MoE block: a router (softmax or sigmoid, top-k, DeepSeek-V3 grouped top-k with "
       "score-correction bias; probed), an Experts module and optional shared experts")
 def moe_block(m: Any) -> dict | None:
@@ -550,8 +564,9 @@ def moe_block(m: Any) -> dict | None:
                 out = type(r).forward(clone, x.clone())
         except Exception:
             out = None
-        if isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out):
-            _, ow, oi = out
+        roles = _router_roles(out, int(k))
+        if roles is not None:
+            ow, oi = roles
             for name, extra, cw, ci in _router_candidates(r, x, wt, bt, facts):
                 if ci.shape == oi.shape and torch.equal(torch.sort(ci, -1)[0], torch.sort(oi, -1)[0]):
                     order_o, order_c = torch.argsort(oi, -1), torch.argsort(ci, -1)
