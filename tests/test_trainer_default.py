@@ -4,21 +4,42 @@ the Trainer's own in-place ``loss *= ...`` scaling, so every shipped spec crashe
 import pytest
 import torch
 
+from patchdsl.resources import specs_dir
+
 from .families import FAMILIES, tiny_model
+from .moe_families import MOE_FAMILIES, tiny_moe_model
+from .test_family_specs import FAMILY_SPECS, _model as family_model
 
 pytest.importorskip("accelerate")
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_default_trainer_runs_every_shipped_spec(tmp_path, family):
+def _builders() -> dict:
+    """Shipped spec name -> a zero-argument builder of a tiny model of its family."""
+    out = {f: (lambda f=f: tiny_model(f)) for f in FAMILIES}
+    out.update({spec: (lambda f=f: tiny_moe_model(f)) for f, (_, _, spec) in MOE_FAMILIES.items() if spec})
+    out.update({spec: (lambda t=t: family_model(t)) for spec, t in FAMILY_SPECS.items()})
+    return out
+
+
+BUILDERS = _builders()
+SHIPPED = sorted(p.stem for p in specs_dir().glob("*.kpatch"))
+
+
+def test_every_shipped_spec_has_a_tiny_model_here():
+    assert not set(SHIPPED) - set(BUILDERS), f"give these shipped specs a tiny model: {set(SHIPPED) - set(BUILDERS)}"
+
+
+@pytest.mark.parametrize("spec", SHIPPED)
+def test_default_trainer_runs_every_shipped_spec(tmp_path, spec):
     from transformers import Trainer, TrainingArguments
 
     from patchdsl.integrations.trainer import PatchdslCallback
 
-    model = tiny_model(family)
-    ids = torch.randint(0, 320, (6, 8), generator=torch.Generator().manual_seed(1))
+    model = BUILDERS[spec]()
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (6, 8), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": r, "labels": r} for r in ids]
-    cb = PatchdslCallback({"spec": family})
+    cb = PatchdslCallback({"spec": spec})
     # default arguments, but for what a CPU test needs (device, no reporting, no checkpoints)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True,
                              report_to=[], save_strategy="no", disable_tqdm=True)
