@@ -302,7 +302,7 @@ for part in $PARTS; do
       ;;
     moe)   # mixture of experts (issue 24): the experts op and a 4-layer Qwen3-30B-A3B-shaped model
       mkdir -p "$WORK/moe"
-      run_part moe "$lim" python3 bench/moe_bench.py --out "$WORK/moe" --budget $(( lim - 10 ))
+      run_part moe "$lim" python3 bench/moe_bench.py --out "$WORK/moe" --budget $(( lim - 10 )) ${MOE_ARGS:-}
       [ -f "$WORK/moe/moe.txt" ] && cat "$WORK/moe/moe.txt" >>"$WORK/summary.parts"
       status+=("moe: $(grep -E '^moe: ' "$LOG" | tail -n 1)")
       ;;

@@ -28,11 +28,10 @@ from typing import Any, Mapping
 from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
 
-# Tiles: the GPU values are what the H100/H200 GEMMs of this shape usually want (BM rows of one
-# expert, BN output columns, BK reduction); the interpreter gets small tiles (CPU tests, tiny shapes).
-# Not measured yet on a GPU (bench/moe_bench.py sweeps a few of these against transformers' grouped_mm).
-CUDA_TILES = {"BM": 128, "BN": 64, "BK": 64, "num_warps": 8, "num_stages": 3}
-INTERP_TILES = {"BM": 32, "BN": 32, "BK": 32, "num_warps": 1, "num_stages": 1}
+# BM: the routing's row block (rows of one expert per program of the row-block GEMMs); the other
+# tiles are per kernel, in the template's TILES table (bench/moe_bench.py sweeps them per kernel).
+CUDA_BM = 64
+INTERP_BM = 32
 
 
 class FusedExperts(Op):
@@ -45,24 +44,22 @@ class FusedExperts(Op):
            "registry untouched).")
     flags = (
         FlagSpec("block_m", "int", "auto", "rows (token slots of one expert) per tile, rounded up to a power "
-                 "of two; auto = 128 on the GPU, 32 in the interpreter", auto_ok=True, min=16, max=256),
+                 "of two; auto = 64 on the GPU, 32 in the interpreter", auto_ok=True, min=16, max=256),
     )
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
         f = info.facts("Experts")
         if not f:
             raise ValueError(f"{self.name}: {info.path or '<module>'} ({info.cls}) is not an Experts module")
-        tiles = dict(INTERP_TILES if target == "interpreter" else CUDA_TILES)
         bm = flags.get("block_m", "auto")
-        if bm != "auto":
-            tiles["BM"] = 1 << max(4, (int(bm) - 1).bit_length())
+        bm = (INTERP_BM if target == "interpreter" else CUDA_BM) if bm == "auto" else 1 << max(4, (int(bm) - 1).bit_length())
         return {"dtype": dtype, "experts": int(f["experts"]), "top_k": int(f.get("top_k") or 0),
                 "hidden": int(f["hidden"]), "intermediate": int(f["intermediate"]),
                 "transposed": bool(f["transposed"]), "layout": str(f["layout"]), "bias": bool(f["bias"]),
                 "activation": str(f["activation"]),
                 "alpha": float(f["alpha"]) if f.get("alpha") is not None else None,
                 "limit": float(f["limit"]) if f.get("limit") is not None else None,
-                "target": target, **tiles}
+                "target": target, "BM": bm}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         parts = [self.name, params["activation"], params["dtype"], f"e{params['experts']}", f"k{params['top_k']}",
