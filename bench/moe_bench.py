@@ -5,11 +5,13 @@ ops: the experts' forward + backward at the Qwen3-30B-A3B layer shape (hidden 20
      grouped_mm and batched_mm experts (skipped with the reason when its gathered weights cannot fit),
      Liger's fused MoE (LigerFusedMoEFunction, when liger-kernel has it), and the matmul floor (the same
      FLOPs as dense torch.mm: 2 GEMMs forward, 4 backward).
-e2e: a 4-layer Qwen3-30B-A3B-shaped model (32/4 heads, head_dim 128, vocab 151936) built on the GPU (meta
-     device, to_empty, init there), batch 4 x 2048, AdamW, bf16, sdpa; default (grouped_mm experts) vs
-     patchdsl (specs/qwen3_moe.kpatch) vs Liger (apply_liger_kernel_to_qwen3_moe), each in its own process.
+e2e: models built on the GPU (meta device, to_empty, init there), batch 4 x 2048, AdamW, bf16, sdpa: a
+     4-layer Qwen3-30B-A3B-shaped model (32/4 heads, head_dim 128, vocab 151936), a 2-layer Mixtral-8x7B,
+     OLMoE-1B-7B at full size, a 4-layer gpt-oss-20b (MODELS); default (transformers' grouped_mm experts)
+     vs patchdsl (the model type's shipped spec) vs Liger (apply_liger_kernel_to_<model type>, where
+     liger-kernel has one), each in its own process.
 
-    python bench/moe_bench.py --out DIR [--budget 140] [--what ops,e2e]
+    python bench/moe_bench.py --out DIR [--budget 140] [--what ops,e2e] [--models qwen3_moe,mixtral,olmoe,gpt_oss]
 
 Writes DIR/moe.json and DIR/moe.txt (the table) and prints a one-line verdict last.
 """
@@ -263,54 +265,92 @@ def run_ops(budget: float) -> list[dict]:
     return rows
 
 
-MODEL = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-             num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936)
+# End-to-end models (random weights built on the GPU): name -> (model_type, config, shipped spec, what Liger calls).
+# Qwen3-30B-A3B's layer shape in 4 layers (the issue's baseline), Mixtral-8x7B in 2 layers, OLMoE-1B-7B at
+# full size, gpt-oss-20b cut to 4 layers.
+MODELS = {
+    "qwen3_moe": ("qwen3_moe", dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                    intermediate_size=6144, vocab_size=151936, num_hidden_layers=4,
+                                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                    tie_word_embeddings=False), "qwen3_moe.kpatch"),
+    "mixtral": ("mixtral", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336,
+                                vocab_size=32000, num_hidden_layers=2, tie_word_embeddings=False), "mixtral.kpatch"),
+    "olmoe": ("olmoe", dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                            num_experts_per_tok=8, intermediate_size=1024, vocab_size=50304, num_hidden_layers=16,
+                            tie_word_embeddings=False), "olmoe.kpatch"),
+    "gpt_oss": ("gpt_oss", dict(hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                num_local_experts=32, num_experts_per_tok=4, intermediate_size=2880,
+                                vocab_size=201088, num_hidden_layers=4, tie_word_embeddings=False), "gpt_oss.kpatch"),
+}
+MODEL_NAMES = {"qwen3_moe": "4-layer Qwen3-30B-A3B shape", "mixtral": "2-layer Mixtral-8x7B shape",
+               "olmoe": "OLMoE-1B-7B (full size)", "gpt_oss": "4-layer gpt-oss-20b shape"}
+# gpt-oss's attention sinks have no SDPA path in transformers: eager attention for every variant
+ATTN = {"gpt_oss": "eager"}
+TINY_MODEL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                  num_hidden_layers=1)
 
 
-def build_model(dt):
+def build_model(name: str, dt):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("qwen3_moe", num_hidden_layers=E2E["layers"], max_position_embeddings=4096,
-                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                               tie_word_embeddings=False, **MODEL)
-    cfg._attn_implementation = "sdpa"
+    mt, kw, _ = MODELS[name]
+    kw = dict(kw)
+    if DEV == "cpu":      # --cpu-dry
+        for k in ("num_experts", "num_local_experts"):
+            if k in kw:
+                kw[k] = 4
+        kw.update(TINY_MODEL, num_experts_per_tok=2, intermediate_size=96,
+                  **({"moe_intermediate_size": 32} if "moe_intermediate_size" in kw else {}))
+    cfg = AutoConfig.for_model(mt, max_position_embeddings=4096, **kw)
+    attn = ATTN.get(name, "sdpa")
+    cfg._attn_implementation = attn
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     model.to_empty(device=DEV)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
+            owner = n.rsplit(".", 1)[0]
+            if "norm" in owner.rsplit(".", 1)[-1] and n.endswith("weight"):
                 p.fill_(1.0)
             else:
                 p.normal_(0, 0.02)
-    rot = model.model.rotary_emb
-    with torch.device(DEV):       # its inv_freq buffer was never materialised: build it again, on the device
-        model.model.rotary_emb = type(rot)(config=model.config)
+    for path, m in list(model.named_modules()):
+        if path.endswith("rotary_emb"):      # its inv_freq buffer was never materialised: build it on the device
+            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
+            with torch.device(DEV):
+                setattr(parent, path.rsplit(".", 1)[-1], type(m)(config=m.config if hasattr(m, "config") else model.config))
     return model.to(dt)
 
 
-def run_e2e_worker(impl: str) -> dict:
+def run_e2e_worker(impl: str, name: str) -> dict:
     import torch
 
     torch.manual_seed(0)
     t0 = time.time()
-    model = build_model(torch.bfloat16 if DEV == "cuda" else torch.float32)
+    model = build_model(name, torch.bfloat16 if DEV == "cuda" else torch.float32)
     build_s = time.time() - t0
     note = ""
     if impl == "patchdsl":
         from patchdsl.planner import plan
         from patchdsl.runtime import apply
 
-        spec = os.path.join(ROOT, "specs", "qwen3_moe.kpatch")
+        spec = os.path.join(ROOT, "specs", MODELS[name][2])
         dts = ("bf16",) if DEV == "cuda" else ("fp32",)
         p = plan(spec, model, target=TARGET, dtypes=dts)
         h = apply(p, model, target=TARGET)
         note = f"{len(h.patched)} sites patched" + (f"; refused: {[str(r) for r in h.refused][:2]}" if h.refused else "")
     elif impl == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3_moe
+        import liger_kernel.transformers as lt
 
-        apply_liger_kernel_to_qwen3_moe(model=model)
+        fn = getattr(lt, f"apply_liger_kernel_to_{MODELS[name][0]}", None)
+        if fn is None:
+            import liger_kernel
+            raise SystemExit(f"liger-kernel {getattr(liger_kernel, '__version__', '')} has no "
+                             f"apply_liger_kernel_to_{MODELS[name][0]}")
+        fn(model=model)
     model.train()
     note = (note + "; " if note else "") + f"experts_implementation={getattr(model.config, '_experts_implementation', None)}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -338,7 +378,7 @@ def run_e2e_worker(impl: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
     ms = (time.perf_counter() - t) / E2E["steps"] * 1e3
-    return {"impl": impl, "step_ms": ms, "tokens_per_s": B * L / (ms / 1e3),
+    return {"impl": impl, "model": name, "step_ms": ms, "tokens_per_s": B * L / (ms / 1e3),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), "build_s": build_s,
             "losses": [float(x) for x in losses], "note": note}
 
@@ -352,6 +392,8 @@ def main() -> None:
                     "(default: min(60, 0.42 x budget))")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--impls", default="default,patchdsl,liger")
+    ap.add_argument("--models", default="qwen3_moe", help=f"end-to-end models, comma-separated, of {sorted(MODELS)}")
+    ap.add_argument("--model", default="qwen3_moe", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-dry", action="store_true", help="tiny shapes on the CPU (Triton interpreter): checks "
                     "the code paths without a GPU (no measurement)")
     a = ap.parse_args()
@@ -360,10 +402,8 @@ def main() -> None:
         DEV, TARGET = "cpu", "interpreter"
         SHAPE.update(tokens=32, hidden=32, experts=4, top_k=2, inter=24)
         E2E.update(batch=1, seq=16, layers=1, warmup=1, steps=1)
-        MODEL.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                     num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96, vocab_size=256)
     if a.worker:
-        print("RESULT " + json.dumps(run_e2e_worker(a.worker)), flush=True)
+        print("RESULT " + json.dumps(run_e2e_worker(a.worker, a.model)), flush=True)
         return
     t0 = time.time()
     res: dict = {"shape": SHAPE, "e2e_shape": E2E}
@@ -390,34 +430,41 @@ def main() -> None:
     if "e2e" in a.what:
         e2e = []
         impls = a.impls.split(",")
-        for i, impl in enumerate(impls):
+        jobs = [(m, impl) for m in a.models.split(",") for impl in impls]
+        for i, (name, impl) in enumerate(jobs):
             left = a.budget - (time.time() - t0) - 3
             if left < 20:
-                e2e.append({"impl": impl, "skipped": "budget"})
+                e2e.append({"impl": impl, "model": name, "skipped": "budget"})
                 continue
-            per = left / (len(impls) - i)
+            per = min(left / (len(jobs) - i) * 1.6, left)     # a slow first worker may borrow from the rest
             try:
-                p = subprocess.run([sys.executable, __file__, "--worker", impl] + (["--cpu-dry"] if a.cpu_dry else []),
+                p = subprocess.run([sys.executable, __file__, "--worker", impl, "--model", name]
+                                   + (["--cpu-dry"] if a.cpu_dry else []),
                                    capture_output=True, text=True, timeout=per, cwd=ROOT)
                 got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
                 if got:
                     e2e.append(json.loads(got[-1][7:]))
                 else:
                     err = (p.stderr or "").strip().splitlines()
-                    e2e.append({"impl": impl, "skipped": f"rc {p.returncode}: " + (err[-1][-300:] if err else ""),
+                    e2e.append({"impl": impl, "model": name, "skipped": f"rc {p.returncode}: " + (err[-1][-300:] if err else ""),
                                 "stderr": "\n".join(err[-30:])})
             except subprocess.TimeoutExpired:
-                e2e.append({"impl": impl, "skipped": f"timed out after {per:.0f}s"})
+                e2e.append({"impl": impl, "model": name, "skipped": f"timed out after {per:.0f}s"})
+            r = e2e[-1]
+            print(f"  e2e {name} {impl}: " + (f"{r['step_ms']:.1f} ms/step, peak {r['peak_gib']:.1f} GiB" if "step_ms" in r
+                                              else r["skipped"]), flush=True)
         res["e2e"] = e2e
-        lines.append(f"e2e 4-layer Qwen3-30B-A3B shape, {E2E['batch']}x{E2E['seq']}, AdamW, bf16, sdpa")
-        base = next((r for r in e2e if r["impl"] == "default" and "step_ms" in r), None)
-        for r in e2e:
-            if "step_ms" in r:
-                sp = f"  {base['step_ms'] / r['step_ms']:.2f}x default" if base else ""
-                lines.append(f"  {r['impl']:<9} {r['step_ms']:8.1f} ms/step {r['tokens_per_s'] / 1e3:6.1f}k tok/s "
-                             f"peak {r['peak_gib']:5.1f} GiB  loss {r['losses'][-1]:.3f}{sp}  {r['note']}")
-            else:
-                lines.append(f"  {r['impl']:<9} skipped: {r['skipped']}")
+        for name in a.models.split(","):
+            rows_m = [r for r in e2e if r.get("model") == name]
+            lines.append(f"e2e {MODEL_NAMES[name]}, {E2E['batch']}x{E2E['seq']}, AdamW, bf16, {ATTN.get(name, 'sdpa')}")
+            base = next((r for r in rows_m if r["impl"] == "default" and "step_ms" in r), None)
+            for r in rows_m:
+                if "step_ms" in r:
+                    sp = f"  {base['step_ms'] / r['step_ms']:.2f}x default" if base else ""
+                    lines.append(f"  {r['impl']:<9} {r['step_ms']:8.1f} ms/step {r['tokens_per_s'] / 1e3:6.1f}k tok/s "
+                                 f"peak {r['peak_gib']:5.1f} GiB  loss {r['losses'][-1]:.3f}{sp}  {r['note']}")
+                else:
+                    lines.append(f"  {r['impl']:<9} skipped: {r['skipped']}")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "moe.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -432,7 +479,7 @@ def main() -> None:
                    key=lambda r: r["fwd_bwd_ms"])
         lib = ops.get("liger", {})
         vs_liger = f", {lib['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x liger" if "fwd_bwd_ms" in lib else ""
-        e2e = {r["impl"]: r for r in res.get("e2e", []) if "step_ms" in r}
+        e2e = {r["impl"]: r for r in res.get("e2e", []) if "step_ms" in r and r.get("model") == "qwen3_moe"}
         e2e_s = (f"; e2e {e2e['default']['step_ms'] / e2e['patchdsl']['step_ms']:.2f}x default"
                  if "default" in e2e and "patchdsl" in e2e else "; e2e incomplete")
         print(f"moe: {'PASS' if ok else 'FAIL (numerics)'} experts {hf['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x grouped_mm"
