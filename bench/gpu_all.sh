@@ -25,7 +25,9 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
+# By name only (not in "all"): e2e_8b (300 s; Llama-3.1-8B-shaped 4x2048 (B8), built on the GPU: patchdsl with the
+# llama spec and with bench/specs/llama_fp8.kpatch, Liger, HF; each in its own process; LLAMA_SPECS="--spec llama
+# --spec bench/specs/llama_fp8.kpatch" gives e2e_llama the fp8 row too), compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
 # (regional) vs patchdsl.compile_model (whole) vs plain torch.compile of the patched model, each in its own process;
 # COMPILE_VARIANTS picks rows, e.g. COMPILE_VARIANTS=compile T_COMPILE_PERF=300 T_VARIANT=280 for torch.compile alone),
 # moe (150 s; bench/moe_bench.py: experts fwd+bwd at the Qwen3-30B-A3B layer shape, patchdsl vs
@@ -65,7 +67,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="moe compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="e2e_8b moe compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -137,6 +139,7 @@ for part in $PARTS; do
     tests)   lim=$(limit tests 45) ;;
     e2e_qwen3) lim=$(limit e2e_qwen3 170) ;;
     e2e_llama) lim=$(limit e2e_llama 50) ;;
+    e2e_8b) lim=$(limit e2e_8b 300) ;;
     e2e_gemma) lim=$(limit e2e_gemma 50) ;;
     e2e_small) lim=$(limit e2e_small 55) ;;
     verify)  lim=$(limit verify 65) ;;
@@ -187,7 +190,12 @@ for part in $PARTS; do
       ;;
     e2e_llama)
       e2e e2e_llama "$lim" --model meta-llama/Llama-3.2-1B --batch 8 --seq 2048 --steps "$STEPS" --warmup 2 \
-        --variants "${LLAMA_VARIANTS:-patchdsl,liger}" --no-oom-retry
+        --variants "${LLAMA_VARIANTS:-patchdsl,liger}" --no-oom-retry ${LLAMA_SPECS:-}
+      ;;
+    e2e_8b)   # issue 26 item 3: Llama-3.1-8B-shaped, built on the GPU, bf16 AdamW: patchdsl (bf16 and fp8 projections) vs Liger vs HF
+      e2e e2e_8b "$lim" --model meta-llama/Llama-3.1-8B --batch "${B8:-4}" --seq 2048 --steps "${STEPS_8B:-4}" --warmup 2 \
+        --variants "${E8B_VARIANTS:-patchdsl,liger,hf}" --spec llama --spec bench/specs/llama_fp8.kpatch \
+        --variant-timeout "${T_VARIANT:-110}"
       ;;
     e2e_gemma)
       e2e e2e_gemma "$lim" --model google/gemma-3-1b-pt --batch 8 --seq 2048 --steps "$STEPS" --warmup 2 \
