@@ -157,6 +157,81 @@ def test_quantisation_within_the_formats_roundoff(recipe):
         assert ((q.double() * inv.double() - dy.double()).abs() > q_err_bound(dy, inv, "e4m3")).any()
 
 
+@pytest.mark.parametrize("shape,pad", [((37, 64), 16), ((48, 80), 16), ((5, 4100), 1), ((16, 48), 1)])
+def test_quantisation_kernels_equal_the_torch_reference(shape, pad):
+    """The rowwise recipe's Triton quantisation (a row's amax and cast in one program; the column
+    amax, then scale + cast + transpose) gives the torch reference's bits: values, scales, padding.
+    Inputs include exact powers of two (the pow2 scale's boundary), an outlier, a zero row and a row
+    4100 wide (two column blocks of the row kernel)."""
+    mod = kernel("rowwise", 64, 48)
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    t = torch.randn(*shape, generator=g)
+    t[0, 0] = 448.0
+    t[1 % shape[0], :] = 0.0
+    t[2 % shape[0], 1] = 2.0 ** -7
+    t[-1, -1] = -3.0e3
+    for fp8 in (mod.E4M3, mod.E5M2):
+        q, inv = mod.quant_rows(t, fp8)
+        rq, rinv = mod.quantise(t, fp8, -1)
+        assert q.dtype == fp8 and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(inv, rinv)
+        qt, invt = mod.quant_cols_t(t, fp8, pad)
+        tp = shape[0] + (-shape[0]) % pad
+        ref = torch.nn.functional.pad(t, (0, 0, 0, tp - shape[0])).t().contiguous()
+        rq, rinv = mod.quantise(ref, fp8, -1)
+        assert qt.shape == (shape[1], tp) and torch.equal(qt.view(torch.uint8), rq.view(torch.uint8))
+        assert torch.equal(invt, rinv)
+    # must fail: a scale off by one binade changes the bits
+    q, _ = mod.quant_rows(t * 2.0 ** -0.5, mod.E4M3)
+    assert not torch.equal(q.view(torch.uint8), mod.quantise(t, mod.E4M3, -1)[0].view(torch.uint8))
+
+
+def test_siblings_share_one_quantisation_of_their_input():
+    """q/k/v-like siblings on the same input quantise it once in the forward and once (along tokens)
+    in the backward; an in-place write to the input, or another input, is not shared; the results
+    equal unshared ones bit for bit."""
+    from patchdsl.codegen import share
+
+    k, n = 64, 48
+    mods = [kernel("rowwise", k, n, bias=False) for _ in range(3)]
+    g = torch.Generator().manual_seed(5)
+    ws = [(torch.randn(n, k, generator=g) * 0.05).requires_grad_(True) for _ in range(3)]
+    x0 = torch.randn(37, k, generator=g)
+
+    def run(shared):
+        share.clear()
+        import os
+        old = os.environ.get("PATCHDSL_SHARE")
+        os.environ["PATCHDSL_SHARE"] = "1" if shared else "0"
+        try:
+            x = x0.clone().requires_grad_(True)
+            h = x * 1.0          # one non-leaf activation read by the three projections
+            ys = [m.fp8_linear(h, w) for m, w in zip(mods, ws)]
+            sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+            return [y.detach() for y in ys], x.grad, [w.grad.clone() for w in ws], dict(share.stats)
+        finally:
+            for w in ws:
+                w.grad = None
+            if old is None:
+                os.environ.pop("PATCHDSL_SHARE")
+            else:
+                os.environ["PATCHDSL_SHARE"] = old
+
+    ys, gx, gws, st = run(True)
+    ys0, gx0, gws0, st0 = run(False)
+    assert st == {"hits": 4, "misses": 2}, st         # forward rows: 1 + 2 hits; backward columns: 1 + 2 hits
+    assert st0 == {"hits": 0, "misses": 0}
+    for a, b in zip(ys + [gx] + gws, ys0 + [gx0] + gws0):
+        assert torch.equal(a, b)
+    # an in-place write between two readers: the second quantises again (a miss, not a stale hit)
+    share.clear()
+    h = x0.clone()
+    a = mods[0].fp8_linear_forward(h, ws[0].detach(), None)
+    h.mul_(2.0)
+    b = mods[1].fp8_linear_forward(h, ws[0].detach(), None)
+    assert share.stats == {"hits": 0, "misses": 2} and torch.equal(b, mods[1].fp8_linear_forward(x0 * 2.0, ws[0].detach(), None))
+    assert not torch.equal(a, b)
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 @pytest.mark.parametrize("m", [37, 48])
 def test_forward_and_backward_within_the_recipes_bound(recipe, m):

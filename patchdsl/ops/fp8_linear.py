@@ -78,7 +78,7 @@ class FP8Linear(Op):
     name = "fp8_linear"
     kinds = ("Linear",)
     template = "fp8_linear.py.j2"
-    triton_kernels = False       # torch._scaled_mm and plain torch quantisation
+    triton_kernels = True        # the rowwise quantisation kernels (tensorwise: torch ops and torch._scaled_mm only)
     doc = ("a projection's forward and backward matmuls in fp8 (torch._scaled_mm) with dynamic tensorwise or rowwise "
            "scales; refused where fp8 matmuls cannot run; verify judges it against the recipe's bound")
     flags = (
