@@ -166,8 +166,9 @@ def test_the_kind_probes_the_activation(i):
 
 def _patched_vs_float64(module, spec, x, dtype=torch.float32):
     """(patched output, grads) and the float64 module's, on the same weights."""
-    ref = __import__("copy").deepcopy(module).double()
-    m = module.to(dtype)
+    ref = __import__("copy").deepcopy(module).double().to(DEVICE)
+    m = module.to(dtype).to(DEVICE)
+    x = x.to(DEVICE)
     handle = patchdsl.apply(patchdsl.plan(spec, m), m)
     try:
         xk = x.to(dtype).clone().requires_grad_()
@@ -211,8 +212,9 @@ def test_output_dropout_draws_the_modules_mask(kind):
     torch.manual_seed(1)
     mod = Holder(PlainMLP(ACT2FN["gelu_new"], out_dropout=0.4) if kind == "module"
                  else ResidualDropoutMLP(ACT2FN["gelu_new"], 0.4)).train()
+    mod = mod.to(DEVICE)
     eager = copy.deepcopy(mod)
-    x = torch.randn(3, 4, 12)
+    x = torch.randn(3, 4, 12, device=DEVICE)
     patchdsl.apply(patchdsl.plan("mlp: MLP -> fused_mlp\n", mod), mod)
     torch.manual_seed(9)
     got = mod(x)
@@ -238,8 +240,8 @@ def test_only_up_output_is_saved_for_backward():
         return sum(seen.values())
 
     torch.manual_seed(0)
-    mod = Holder(PlainMLP(ACT2FN["gelu"], hidden=16, inter=64))
-    x = torch.randn(32, 16)
+    mod = Holder(PlainMLP(ACT2FN["gelu"], hidden=16, inter=64)).to(DEVICE)
+    x = torch.randn(32, 16, device=DEVICE)
     eager = saved_bytes(mod, x.clone())
     act_bytes = 32 * 64 * 4
     h = patchdsl.apply(patchdsl.plan("mlp: MLP -> fused_mlp\n", mod), mod)
@@ -317,7 +319,7 @@ def test_suggested_spec_patches_the_mlps_and_verifies(family, act):
     assert mlps and all(s.concern_of.get(p) == "mlp" for p in mlps), s.text
     assert s.counts()["mlp"][0] == s.counts()["mlp"][1], s.text
     assert f"activation {act}" in s.text and "-> fused_mlp" in s.text, s.text
-    rep = patchdsl.verify(s.text, lambda: build(cfg), dtype="fp32", batch=1, seq=8, device="cpu")
+    rep = patchdsl.verify(s.text, lambda: build(cfg), dtype="fp32", batch=1, seq=8, device=DEVICE)
     assert rep.passed, rep.verdict
     assert any(site["op"] == "fused_mlp" for site in rep.sites)
 
