@@ -12,8 +12,9 @@ to the input dtype (as the eager activation does); with ``recompute=true`` (defa
 runs inside the op's autograd function, which saves only h = up(x): its backward recomputes act(h) in the
 same pass that applies act'(h) (eager PyTorch keeps both h and act(h)).  That needs the down projection
 to be a plain ``nn.Linear`` (or GPT-2's ``Conv1D``) with no instance forward and no hooks, read at call
-time; any other down projection (PEFT LoRA, fp8_linear, a hook) is called as the module it is, on the
-kernel's act(h) (then its own backward keeps act(h)).
+time (FSDP2 per decoder layer has it whole there); any other down projection (PEFT LoRA, fp8_linear, a hook,
+a DeepSpeed ZeRO-3 partitioned weight) is called as the module it is, on the kernel's act(h) (then its own
+backward keeps act(h)).
 
 Bias: the up projection's bias is added by the up projection itself (cuBLAS adds it in the GEMM's
 epilogue, so a Triton pass for it would only cost bandwidth); the down projection's bias is passed to
@@ -117,8 +118,10 @@ class FusedMLP(Op):
             if h.dtype not in supported:
                 return d(eager_act(h))
             k = kernels(h.dtype)
+            # a plain projection, read here (DeepSpeed ZeRO-3 gathers a weight only inside its own module's
+            # forward: a partitioned one, marked ds_id, is left to the module)
             if recompute and (type(d) is Linear or type(d) is Conv1D) and "forward" not in d.__dict__ \
-                    and not d._forward_hooks and not d._forward_pre_hooks:
+                    and not d._forward_hooks and not d._forward_pre_hooks and not hasattr(d.weight, "ds_id"):
                 w = d.weight.t() if type(d) is Conv1D else d.weight
                 b = d.bias
                 if w.dtype != h.dtype:          # autocast's cast of the weight, as F.linear would make it
