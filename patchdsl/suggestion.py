@@ -137,7 +137,7 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
             from .ops.kinds import mlp_probe
             _, why = mlp_probe(module)
             if "projection pair" not in why:
-                return f"a non-gated MLP that fused_mlp does not take: {why}"
+                return f"an MLP fused_mlp does not take: {why}"
         if hasattr(module, "up_proj") and not hasattr(module, "gate_proj") or len(lin) == 2 and "gate_up_proj" not in named:
             return (f"a non-gated MLP ({' -> '.join(lin)} with an activation between) whose projections are not a "
                     f"pair fused_mlp knows (up_proj/down_proj, fc1/fc2, c_fc/c_proj, dense_h_to_4h/dense_4h_to_h, ...)")

@@ -225,11 +225,13 @@ def geglu(m: Any) -> dict | None:
 # ---- plain (non-gated) MLP: down(act(up(x))) ---------------------------------------------------
 # (up, down) child names of the non-gated MLPs transformers ships
 MLP_PAIRS = (("up_proj", "down_proj"), ("fc1", "fc2"), ("dense_h_to_4h", "dense_4h_to_h"), ("c_fc", "c_proj"),
-             ("linear_fc1", "linear_fc2"), ("lin1", "lin2"), ("w1", "w2"), ("fc_in", "fc_out"))
+             ("linear_fc1", "linear_fc2"), ("lin1", "lin2"), ("w1", "w2"), ("fc_in", "fc_out"), ("Wi", "Wo"),
+             ("0", "2"))     # ("0", "2"): nn.Sequential(Linear, activation, Linear) (CTRL's ffn)
 # activations fused_mlp computes (ordered: the first that matches the probe names it)
 MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "silu", "quick_gelu")
 # where an MLP keeps its activation (the probe names the class of an activation it does not know)
-MLP_ACT_ATTRS = ("act", "act_fn", "activation_fn", "activation", "gelu_impl", "act_func", "activation_function")
+MLP_ACT_ATTRS = ("act", "act_fn", "activation_fn", "activation", "gelu_impl", "act_func", "activation_function",
+                 "1")        # nn.Sequential(Linear, activation, Linear)
 
 
 def mlp_activation_reference(name: str):
@@ -279,12 +281,13 @@ def mlp_stand_in(m: Any, facts: Mapping[str, Any], *, training: bool):
             if lin_.bias is not None:
                 lin_.bias.copy_(torch.randn(lin_.bias.shape, generator=g, dtype=torch.float64) * 0.5)
     kids = {}
-    for k, v in m._modules.items():
-        if k not in (up, down) and v is not None:
+    for k, v in m._modules.items():        # in the module's order (nn.Sequential runs its children in it)
+        if k in (up, down):
+            kids[k] = lu if k == up else ld
+        elif v is not None:
             c = copy.copy(v)
             c.__dict__["training"] = training
             kids[k] = c
-    kids.update({up: lu, down: ld})
     clone = stand_in(m, modules=kids, training=training)
     for a in ("hidden_size", "hidden_dim", "embed_dim"):
         if isinstance(clone.__dict__.get(a), int) and not isinstance(clone.__dict__.get(a), bool):
@@ -315,6 +318,9 @@ def mlp_probe(m: Any) -> tuple[dict | None, str]:
         bad = up if pu is None else down
         return None, f"its {bad} is not an nn.Linear (or Conv1D) but {type(ch[bad]).__name__}"
     hidden, inter = pu[0], pu[1]
+    if pd[1] == hidden and inter == 2 * pd[0]:
+        return None, (f"{up} ({pu[0]} -> {pu[1]}) gives twice {down}'s input ({pd[0]}): a gated MLP whose gate and "
+                      f"up are one projection, split in its forward")
     if pd[0] != inter or pd[1] != hidden:
         return None, f"{up} ({pu[0]} -> {pu[1]}) and {down} ({pd[0]} -> {pd[1]}) are not hidden -> I -> hidden"
     facts = {"up": up, "down": down, "hidden": hidden, "intermediate": inter, "up_bias": pu[2],

@@ -283,6 +283,35 @@ def test_not_an_mlp(make, why):
     assert f is None and __import__("re").search(why, reason), reason
 
 
+class FusedGateUpMLP(nn.Module):
+    """ModernBERT's / Moshi's shape: one projection gives gate and up, chunked in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(8, 32), nn.Linear(16, 8), nn.GELU()
+
+    def forward(self, x):
+        a, b = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(self.act(a) * b)
+
+
+def test_a_fused_gate_up_mlp_is_named_gated():
+    f, why = mlp_probe(FusedGateUpMLP())
+    assert f is None and "a gated MLP whose gate and up are one projection" in why, why
+
+
+def test_a_sequential_mlp_is_an_mlp_and_patches():
+    """CTRL's ffn: nn.Sequential(Linear, ReLU, Linear); the stand-in keeps the children's order."""
+    torch.manual_seed(2)
+    seq = nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 12))
+    f, why = mlp_probe(seq)
+    assert f and (f["up"], f["down"], f["activation"]) == ("0", "2", "relu"), why
+    (out, dx, params), (ref, rdx, rparams) = _patched_vs_float64(Holder(seq), "dtype fp32\nmlp: MLP -> fused_mlp\n",
+                                                                 torch.randn(3, 12))
+    assert_close(out, ref, "fp32", "output")
+    assert_close(params["mlp.0.weight"].grad, rparams["mlp.0.weight"].grad, "fp32", "d up")
+
+
 def test_a_gated_mlp_is_not_a_plain_mlp():
     from transformers import AutoConfig, AutoModelForCausalLM
 
