@@ -734,7 +734,8 @@ KIND_NEEDS = {
     "SwiGLU": "children gate_proj + up_proj (or gate_up_proj) and down_proj, and an act_fn computing silu",
     "GeGLU": "children gate_proj + up_proj (or gate_up_proj) and down_proj, and an act_fn computing GELU",
     "MLP": ("an up/down projection pair (up_proj/down_proj, fc1/fc2, c_fc/c_proj, dense_h_to_4h/dense_4h_to_h, "
-            "linear_fc1/linear_fc2, lin1/lin2, ...), no gate_proj, and a forward equal to down(act(up(x)))"),
+            "linear_fc1/linear_fc2, lin1/lin2, ..., or nn.Sequential(Linear, act, Linear)), no gate_proj, and a "
+            "forward equal to down(act(up(x)))"),
     "Attention": "children q_proj, k_proj, v_proj (or qkv_proj) and o_proj, a config, head_dim and head counts",
     "CausalLM": "attributes model (the base model), lm_head and config",
     "DecoderLayer": "children input_layernorm, self_attn, post_attention_layernorm and mlp",
