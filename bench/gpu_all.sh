@@ -33,6 +33,8 @@
 # moe (150 s; bench/moe_bench.py: experts fwd+bwd at the Qwen3-30B-A3B layer shape, patchdsl vs
 # grouped_mm / batched_mm / Liger / matmul floor, then a 4-layer Qwen3-30B-A3B-shaped model 4x2048 default vs patchdsl vs Liger,
 # each in its own process; moe.json / moe.txt),
+# mlp (90 s; bench/mlp_bench.py: fused_mlp on StarCoder2-3B's and Minitron-4B's plain MLPs, bf16, 8x2048 tokens: fwd+bwd
+# time and bytes saved for backward, eager vs fused_mlp vs recompute=false, errors against fp32; mlp.json / mlp.txt),
 # verify_scale (300 s; bench/verify_scale.py: `patchdsl verify` of Phi-3-mini, Mistral-7B, Llama-3.1-8B- and Qwen3-8B-shaped
 # models in bf16, batch 1 x 512, 1 step, built on the GPU, streamed float64 reference; time and peak memory per model),
 # convergence (120 s; bench/convergence.py: Liger-style 32-step convergence test of mini Llama / Qwen3 / Gemma 3 on
@@ -67,7 +69,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="e2e_8b moe compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="e2e_8b moe mlp compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -156,6 +158,7 @@ for part in $PARTS; do
     verify_scale) lim=$(limit verify_scale 300) ;;
     convergence) lim=$(limit convergence 120) ;;
     moe) lim=$(limit moe 150) ;;
+    mlp) lim=$(limit mlp 90) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -313,6 +316,12 @@ for part in $PARTS; do
       run_part moe "$lim" python3 bench/moe_bench.py --out "$WORK/moe" --budget $(( lim - 10 )) ${MOE_ARGS:-}
       [ -f "$WORK/moe/moe.txt" ] && cat "$WORK/moe/moe.txt" >>"$WORK/summary.parts"
       status+=("moe: $(grep -E '^moe: ' "$LOG" | tail -n 1)")
+      ;;
+    mlp)   # plain (non-gated) MLP op (issue 25): StarCoder2-3B and Minitron-4B MLP shapes
+      mkdir -p "$WORK/mlp"
+      run_part mlp "$lim" python3 bench/mlp_bench.py --out "$WORK/mlp" --budget $(( lim - 30 ))
+      [ -f "$WORK/mlp/mlp.txt" ] && cat "$WORK/mlp/mlp.txt" >>"$WORK/summary.parts"
+      status+=("mlp: $(grep -E '^mlp: ' "$LOG" | tail -n 1 | cut -c1-400)")
       ;;
   esac
   pack

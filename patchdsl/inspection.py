@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 from .index import ModelIndex
 
 # kinds worth a row by default (Linear only for the LM head)
-CONCERN_KINDS = ("RMSNorm", "LayerNorm", "SwiGLU", "GeGLU", "Attention", "CausalLM", "DecoderLayer")
+CONCERN_KINDS = ("RMSNorm", "LayerNorm", "SwiGLU", "GeGLU", "MLP", "Attention", "CausalLM", "DecoderLayer")
 _INT = re.compile(r"^\d+$")
 # names of modules a spec author looks for; when such a module fits no kind, inspect says so
 _LOOKS_LIKE = re.compile(r"(norm|mlp|ffn|feed_?forward|attn|attention)$", re.IGNORECASE)
@@ -103,6 +103,14 @@ def describe(kind: str, f: Mapping[str, Any]) -> str:
             s += " gate_up-fused"
         if f.get("bias"):
             s += " bias"
+        return s
+    if kind == "MLP":
+        s = (f"hidden={f.get('hidden')} inter={f.get('intermediate')} {f.get('up')}->{f.get('down')} "
+             f"{f.get('activation') or 'activation=' + str(f.get('act_class'))}")
+        if f.get("up_bias") or f.get("down_bias"):
+            s += " bias"
+        if f.get("conv1d"):
+            s += " conv1d"
         return s
     if kind == "Attention":
         s = (f"heads={f.get('n_heads')} kv={f.get('n_kv_heads')} head_dim={f.get('head_dim')} "

@@ -8,7 +8,7 @@ The candidates, per concern, in order of preference (the first op that plans on 
 
     attention  fused_qk_norm_rope (fuses q_norm/k_norm), then fused_rope
     norms      fused_rmsnorm, fused_layernorm (modules fused into an attention op are left out)
-    mlp        fused_swiglu, fused_geglu
+    mlp        fused_swiglu, fused_geglu, fused_experts, fused_mlp (plain, non-gated)
     loss       fused_linear_cross_entropy on the causal LM's lm_head
 
 The spec has one rule per op, its selectors folded as a person writes them (``*.mlp`` when every
@@ -48,6 +48,8 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("norms", "LayerNorm", "fused_layernorm", "", "LayerNorm, one kernel forward and one backward"),
     Candidate("mlp", "SwiGLU", "fused_swiglu", "", "silu(gate) * up in one kernel (projections stay GEMMs)"),
     Candidate("mlp", "GeGLU", "fused_geglu", "", "gelu(gate) * up in one kernel (projections stay GEMMs)"),
+    Candidate("mlp", "MLP", "fused_mlp", "",
+              "plain MLP: the activation in one kernel, act(up(x)) recomputed in backward (projections stay GEMMs)"),
     Candidate("mlp", "Experts", "fused_experts", "",
               "routed experts: grouped GEMMs with the activation and the routing weights in their epilogues"),
     Candidate("loss", "Linear", "fused_linear_cross_entropy", "ignore_index=-100, chunk=auto",
@@ -104,7 +106,7 @@ def _concern(info) -> str | None:
         return "attention"
     if "RMSNorm" in ks or "LayerNorm" in ks:
         return "norms"
-    if "SwiGLU" in ks or "GeGLU" in ks:
+    if "SwiGLU" in ks or "GeGLU" in ks or "MLP" in ks:
         return "mlp"
     if info.path and _leaf(info.path) == "lm_head":
         return "loss"
@@ -131,8 +133,14 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
         if "experts" in named or "router" in named or "gate" in named and not hasattr(module, "gate_proj"):
             return "a mixture-of-experts block whose experts fit no Experts kind (3-D expert weights, probed activation)"
         lin = [n for n, c in named.items() if isinstance(c, torch.nn.Linear)]
+        if module is not None and "gate_proj" not in named and "gate_up_proj" not in named:
+            from .ops.kinds import mlp_probe
+            _, why = mlp_probe(module)
+            if "projection pair" not in why:
+                return f"an MLP fused_mlp does not take: {why}"
         if hasattr(module, "up_proj") and not hasattr(module, "gate_proj") or len(lin) == 2 and "gate_up_proj" not in named:
-            return f"a non-gated MLP ({' -> '.join(lin)} with an activation between); no op for it yet"
+            return (f"a non-gated MLP ({' -> '.join(lin)} with an activation between) whose projections are not a "
+                    f"pair fused_mlp knows (up_proj/down_proj, fc1/fc2, c_fc/c_proj, dense_h_to_4h/dense_4h_to_h, ...)")
         if any(isinstance(c, torch.nn.Dropout) for c in module.modules()):
             return f"holds dropout, which no MLP op reproduces"
         return f"not down(act(gate(x)) * up(x)) with silu or gelu (children: {', '.join(named) or 'none'})"
@@ -338,6 +346,7 @@ def _rule_facts(c: Candidate, infos: list) -> str:
     vals: dict[str, set] = {}
     keys = {"RMSNorm": ("hidden", "eps", "offset"), "LayerNorm": ("hidden", "eps"),
             "SwiGLU": ("hidden", "intermediate"), "GeGLU": ("hidden", "intermediate", "activation"),
+            "MLP": ("hidden", "intermediate", "activation"),
             "Attention": ("head_dim", "rotary_dim"), "Linear": ("in_features", "out_features")}.get(c.kind, ())
     for i in infos:
         f = i.kinds.get(c.kind, {})

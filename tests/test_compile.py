@@ -104,7 +104,24 @@ OPCHECK_RUNS = {
     # mixture of experts (issue 24): concatenated experts; gpt-oss's transposed, interleaved, biased ones
     "qwen3_moe": (lambda: tiny_moe_model("qwen3_moe").train(), "dtype fp32\n*.mlp.experts: Experts -> fused_experts\n"),
     "gpt_oss": (lambda: tiny_moe_model("gpt_oss").train(), "dtype fp32\n*.mlp.experts: Experts -> fused_experts\n"),
+    # plain MLP (Nemotron's relu2): layer 1 runs the down projection inside the op (mlp_down ops), layer 0
+    # with recompute=false the activation alone (mlp_act ops); both in the one kernel module
+    "nemotron": (lambda: _census_model("nemotron"), "dtype fp32\n*.mlp: MLP -> fused_mlp\n"
+                                                    "model.layers.0.mlp: MLP -> fused_mlp(recompute=false)\n"),
 }
+
+
+def _census_model(model_type: str):
+    """A tiny model of any installed family, as the census builds it (train mode)."""
+    import logging
+
+    from patchdsl.census import build, tiny_family_config
+
+    logging.disable(logging.WARNING)
+    try:
+        return build(tiny_family_config(model_type)).train()
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def _spec(text_or_path):

@@ -20,6 +20,7 @@ FAMILY_SPECS = {
     "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "glm4": "glm4", "smollm3": "smollm3",
     "exaone4": "exaone4", "falcon_h1": "falcon_h1", "gemma2": "gemma2", "gemma": "gemma", "nemotron": "nemotron",
     "qwen3_5": "qwen3_5_text",
+    "starcoder2": "starcoder2",       # not a Liger family: the plain-MLP (fused_mlp) representative with biases
 }
 
 

@@ -108,6 +108,7 @@ SPECS = {
     "fused_rmsnorm": "*.input_layernorm, *.post_attention_layernorm, model.norm: RMSNorm -> fused_rmsnorm\n",
     "fused_swiglu": "*.mlp: SwiGLU -> fused_swiglu\n",
     "fused_geglu": "*.mlp: GeGLU -> fused_geglu\n",
+    "fused_mlp": "*.mlp: MLP -> fused_mlp\n",
     "fused_add_rmsnorm": "model.layers.*: DecoderLayer -> fused_add_rmsnorm\n",
     "fused_layernorm": "*.input_layernorm, model.final_layernorm: LayerNorm -> fused_layernorm\n",
     "fused_rope": "*.self_attn: Attention -> fused_rope\n",
@@ -357,6 +358,19 @@ ALL_MUTATIONS = [
     Mutation("fused_geglu", "up_ignored",
              (Edit(r"\(_act\(g\) \* u\)", "_act(g)", GLU_FWD),), model="gemma3", dtype="fp32",
              expect=("output",)),
+    # ---- fused_mlp (Phi-2: fc1 -> gelu_new (tanh GELU) -> fc2, both with bias; intermediate 80)
+    Mutation("fused_mlp", "act_derivative_dropped",
+             (Edit(r"return h \* s, s \+ h \* s \* \(1\.0 - s\) \* \(", "return h * s, s + 0.0 * (", r"^def _act_and_grad\("),),
+             model="phi", expect=("grad_input", "grad_fc1.weight")),
+    Mutation("fused_mlp", "recomputed_act_is_preactivation",
+             (Edit(r"tl\.store\(A \+ offs, a\.to\(", "tl.store(A + offs, h.to(", r"^def \w+_bwd\("),),
+             model="phi", expect=("grad_fc2.weight",)),
+    Mutation("fused_mlp", "down_bias_grad_halved",
+             (Edit(r"db = dy2\.sum\(0\) if need_db", "db = dy2.sum(0) * 0.5 if need_db", r"^def mlp_down_backward\("),),
+             model="phi", expect=("grad_fc2.bias",)),
+    Mutation("fused_mlp", "forward_without_activation",
+             (Edit(r"tl\.store\(A \+ offs, _act\(h\)\.to\(", "tl.store(A + offs, (h).to(", r"^def \w+_fwd\("),),
+             model="phi", dtype="fp32", expect=("output",)),
 ]
 
 

@@ -100,9 +100,12 @@ def test_inspect_json_counts_every_folded_module():
 
 
 def test_inspect_names_modules_that_fit_no_kind():
+    text = render(build_index(_family_model("bloom")))     # its MLP's forward takes the residual too
+    ln = next(x for x in text.splitlines() if x.startswith("transformer.h.{0..1}.mlp "))
+    assert "BloomMLP" in ln and "fits no kind" in ln
     text = render(build_index(_family_model("nemotron")))
     ln = next(x for x in text.splitlines() if x.startswith("model.layers.{0..1}.mlp "))
-    assert "NemotronMLP" in ln and "fits no kind" in ln
+    assert "NemotronMLP" in ln and " MLP " in ln and "up_proj->down_proj relu2" in ln
     ln = next(x for x in text.splitlines() if x.startswith("model.norm "))
     assert "NemotronLayerNorm1P" in ln and "LayerNorm" in ln and "offset=1" in ln
 
@@ -126,8 +129,9 @@ def test_suggestion_patches_what_the_shipped_spec_patches(family):
 @pytest.mark.parametrize("family,unpatched", [
     ("olmo2", {}),                      # q/k norms over the whole projection: fused_rope calls them so
     ("smollm3", {}),                    # NoPE layers: the rotation only where the model rotates
-    ("nemotron", {"mlp": "non-gated MLP"}),      # its LayerNorm1P norms: fused_layernorm with offset 1
-    ("gpt_neox", {"attention": "not q/k/v_proj", "mlp": "non-gated MLP", "loss": "no causal LM holds"}),
+    ("nemotron", {}),                   # LayerNorm1P: fused_layernorm with offset 1; relu2 MLP: fused_mlp
+    ("gpt_neox", {"attention": "not q/k/v_proj", "loss": "no causal LM holds"}),
+    ("apertus", {"mlp": "its activation XIELUActivation is none of the activations fused_mlp computes"}),
     ("glm4", {"attention": "does not reproduce Glm4Attention.forward"}),
 ])
 def test_suggestion_lists_each_unpatched_module_with_its_reason(family, unpatched):
@@ -209,7 +213,8 @@ def test_cli_suggest_bad_model_is_exit_2():
      "GPTNeoXForCausalLM is not recognised as a causal LM", "select it alone"),
     ("gpt_neox", "*.attention: Attention -> fused_rope", "GPTNeoXAttention has no q_proj, k_proj, v_proj, o_proj", None),
     ("phi", "*.self_attn: Attention -> fused_rope", "PhiAttention has no o_proj", None),
-    ("nemotron", "*.mlp: SwiGLU -> fused_swiglu", "NemotronMLP has no gate_proj", None),
+    ("nemotron", "*.mlp: SwiGLU -> fused_swiglu", "those modules are: MLP (ops for them: fused_mlp)", None),
+    ("bloom", "*.mlp: MLP -> fused_mlp", "BloomMLP", None),
     ("llama", "*.q_proj: Linear -> fused_linear_cross_entropy", "select it alone: 'lm_head: Linear", None),
 ])
 def test_refusal_hints_name_the_structural_reason(family, rule, want, not_want):

@@ -61,6 +61,10 @@ VARIANTS = {
     "gpt_oss": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_local_experts=2,
                                 num_experts_per_tok=2, num_attention_heads=64, num_key_value_heads=8,
                                 head_dim=64, vocab_size=4096)),
+    # bigcode/starcoder2-3b widths (hidden 3072, intermediate 12288, vocab cut to 4096): a plain MLP c_fc ->
+    # gelu_tanh -> c_proj with biases (fused_mlp), LayerNorm with bias
+    "starcoder2": ("starcoder2", dict(hidden_size=3072, intermediate_size=12288, num_attention_heads=24,
+                                      num_key_value_heads=2, vocab_size=4096, use_bias=True)),
 }
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
