@@ -481,6 +481,7 @@ def main() -> None:
         vs_liger = f", {lib['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x liger" if "fwd_bwd_ms" in lib else ""
         e2e = {r["impl"]: r for r in res.get("e2e", []) if "step_ms" in r and r.get("model") == "qwen3_moe"}
         e2e_s = (f"; e2e {e2e['default']['step_ms'] / e2e['patchdsl']['step_ms']:.2f}x default"
+                 f" (first-step loss {e2e['patchdsl']['losses'][0]:.4f} vs {e2e['default']['losses'][0]:.4f})"
                  if "default" in e2e and "patchdsl" in e2e else "; e2e incomplete")
         print(f"moe: {'PASS' if ok else 'FAIL (numerics)'} experts {hf['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x grouped_mm"
               f"{vs_liger} (rel.err {ours.get('rel_err_vs_grouped_mm', float('nan')):.1e}; best tiling {best['impl']} "
