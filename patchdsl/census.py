@@ -128,10 +128,42 @@ def tiny_family_config(model_type: str):
         # config.head_dim as it is, so give it the hidden / heads it means
         if c is not None and "head_dim" in vars(c) and c.head_dim is None and getattr(c, "num_attention_heads", None):
             c.head_dim = c.hidden_size // c.num_attention_heads
+    if "text_config" in sub:
+        _fit_mrope(cfg.text_config)
     cfg._attn_implementation = "eager"
     # routed experts run as plain loops: verify's float64 reference cannot run grouped_mm
     cfg._experts_implementation = "eager"
     return cfg
+
+
+def _fit_mrope(text) -> None:
+    """Multimodal RoPE (Qwen2/2.5/3-VL): the rotary splits head_dim / 2 into temporal, height and
+    width sections (``rope_parameters["mrope_section"]``, else a default in the modeling code sized
+    for the full head_dim); shrunk with head_dim, in the same proportions, summing to head_dim / 2."""
+    import importlib
+
+    rope = getattr(text, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return
+    sec = rope.get("mrope_section")
+    if sec is None:
+        try:
+            src = importlib.import_module(type(text).__module__.replace("configuration_", "modeling_"))
+            import inspect
+            m = re.search(r'mrope_section",\s*\[(\d+),\s*(\d+),\s*(\d+)\]', inspect.getsource(src))
+        except Exception:
+            m = None
+        if m is None:
+            return
+        sec = [int(x) for x in m.groups()]
+    hd = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    half = int(hd * (rope.get("partial_rotary_factor") or 1.0)) // 2
+    if sum(sec) == half:
+        return
+    new = [max(1, round(x * half / sum(sec))) for x in sec]
+    new[0] += half - sum(new)
+    rope["mrope_section"] = new
+    text.rope_parameters = rope
 
 
 class _Shim:

@@ -464,6 +464,14 @@ def _stand_in(module: Any, facts: dict):
                 stand = type(module)(cfg, layer_idx)
             except TypeError:
                 stand = type(module)(cfg)
+            if getattr(stand, "head_dim", d) != d:
+                # a class that derives head_dim from hidden_size / heads (Qwen2.5-VL's text attention):
+                # the stand-in's residual width is heads x head_dim
+                cfg.hidden_size = cfg.num_attention_heads * d
+                try:
+                    stand = type(module)(cfg, layer_idx)
+                except TypeError:
+                    stand = type(module)(cfg)
         stand = stand.to_empty(device="cpu").float().eval()
         g = torch.Generator().manual_seed(1234)
         with torch.no_grad():
