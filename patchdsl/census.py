@@ -112,15 +112,8 @@ def tiny_family_config(model_type: str):
     from .models.loading import tiny_config
 
     cfg = AutoConfig.for_model(model_type)
-    sub = {k: getattr(cfg, k) for k in ("text_config", "vision_config", "audio_config")
-           if getattr(cfg, k, None) is not None and hasattr(getattr(cfg, k), "to_dict")}
-    if "text_config" in sub:
-        # a composite config (vision-language): the language tower shrunk as any family, the other
-        # towers shrunk generically
-        cfg.text_config = _tiny(sub["text_config"], tiny_config)
-        for k, c in sub.items():
-            if k != "text_config":
-                setattr(cfg, k, _tiny_tower(c, cfg.text_config))
+    if getattr(cfg, "text_config", None) is not None and hasattr(cfg.text_config, "to_dict"):
+        cfg = shrink_composite(cfg, tiny_config)
     else:
         cfg = _tiny(cfg, tiny_config)
     for c in (cfg, getattr(cfg, "text_config", None)):
@@ -128,11 +121,30 @@ def tiny_family_config(model_type: str):
         # config.head_dim as it is, so give it the hidden / heads it means
         if c is not None and "head_dim" in vars(c) and c.head_dim is None and getattr(c, "num_attention_heads", None):
             c.head_dim = c.hidden_size // c.num_attention_heads
-    if "text_config" in sub:
-        _fit_mrope(cfg.text_config)
     cfg._attn_implementation = "eager"
     # routed experts run as plain loops: verify's float64 reference cannot run grouped_mm
     cfg._experts_implementation = "eager"
+    return cfg
+
+
+def shrink_composite(cfg, tiny_config):
+    """A composite (vision-language) config shrunk: the language tower by ``tiny_config`` (as any
+    family), the other towers generically (:func:`_tiny_tower`), multimodal RoPE sections with the
+    head size (:func:`_fit_mrope`).  A copy; ``cfg`` is left as it is."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    sub = {k: getattr(cfg, k) for k in ("text_config", "vision_config", "audio_config")
+           if getattr(cfg, k, None) is not None and hasattr(getattr(cfg, k), "to_dict")}
+    cfg.text_config = _tiny(sub["text_config"], tiny_config)
+    for k, c in sub.items():
+        if k != "text_config":
+            setattr(cfg, k, _tiny_tower(c, cfg.text_config))
+    _fit_mrope(cfg.text_config)
+    if isinstance(getattr(cfg, "mm_tokens_per_image", None), int):
+        # Gemma 3: image tokens = (image_size / patch_size)^2 pooled to this many
+        side = getattr(cfg.vision_config, "image_size", 32) // getattr(cfg.vision_config, "patch_size", 8)
+        cfg.mm_tokens_per_image = min(cfg.mm_tokens_per_image, side * side)
     return cfg
 
 
