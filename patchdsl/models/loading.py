@@ -386,12 +386,14 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
 
 
 def _describe_tiny(cfg) -> str:
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg     # a VLM: its language tower
     return (f"tiny {cfg.model_type} (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
             f"{cfg.num_attention_heads}/{getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} heads, "
             f"vocab {cfg.vocab_size})")
 
 
 def _describe_sizes(cfg) -> str:
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return f"hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}"
 
 
