@@ -115,10 +115,11 @@ def test_multimodal_spec_plans_every_rule_on_the_language_tower(spec):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("spec", sorted(VLM_SPECS))
-def test_multimodal_spec_verifies(spec):
+def test_multimodal_spec_verifies(spec, dtype):
     mt = VLM_SPECS[spec]
-    rep = verify(load_spec(shipped_spec(spec)), lambda: vlm_model(mt), dtype="fp32", batch=1, seq=8, device="cpu")
+    rep = verify(load_spec(shipped_spec(spec)), lambda: vlm_model(mt), dtype=dtype, batch=1, seq=8, device="cpu")
     assert rep.passed, [(r.path, r.quantity) for r in rep.failures()][:5]
     assert not rep.to_json().get("refused")
     assert any(s["path"] == "lm_head" for s in rep.to_json()["sites"])
