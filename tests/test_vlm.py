@@ -277,3 +277,22 @@ def test_a_vision_rule_on_a_text_only_verify_is_not_judged_a_pass():
                  dtype="fp32", batch=1, seq=8, device="cpu")
     assert not rep.passed
     assert {r.path for r in rep.failures()} >= {"model.visual.blocks.0.norm1", "model.visual.blocks.0.norm2"}
+
+
+def test_paligemma_softcap_read_from_the_text_config_is_reproduced():
+    """PaliGemma (transformers 5.24) softcaps its logits by ``getattr(self.config.get_text_config(),
+    'final_logit_softcapping', None)``: the fused loss reads the same value (5.17's forward applies none,
+    and neither does the fused loss there: the steps come from the forward's source)."""
+    from patchdsl.census import build, tiny_family_config
+
+    cfg = tiny_family_config("paligemma")
+    cfg.text_config.final_logit_softcapping = 2.0
+    ref = build(cfg)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(40.0)           # logits of tens: the cap moves the loss
+    pat = copy.deepcopy(ref)
+    loss_path._SHAPES.clear()
+    patch_module(pat, FLCE)
+    applies = loss_path.forward_shape(type(ref)).applies_softcap
+    assert applies == ("get_text_config" in __import__("inspect").getsource(type(ref).forward))
+    assert_same_step(ref, pat, text_batch(seed=13))
