@@ -33,7 +33,7 @@
 # each in its own process; moe.json / moe.txt),
 # verify_scale (300 s; bench/verify_scale.py: `patchdsl verify` of Phi-3-mini, Mistral-7B, Llama-3.1-8B- and Qwen3-8B-shaped
 # models in bf16, batch 1 x 512, 1 step, built on the GPU, streamed float64 reference; time and peak memory per model),
-# vlm_verify (240 s; bench/verify_scale.py --models vlm: `patchdsl verify` of specs/qwen2_5_vl, specs/qwen3_vl and
+# vlm_verify (270 s; bench/verify_scale.py --models vlm: `patchdsl verify` of specs/qwen2_5_vl, specs/qwen3_vl and
 # specs/gemma3 on Qwen2.5-VL-7B-, Qwen3-VL-8B- and Gemma-3-4b-it-shaped ...ForConditionalGeneration models built on the GPU,
 # random weights, bf16, batch 1 x 512, 1 step, text only, streamed float64 reference; vlm_verify/verify_<model>.json;
 # VLM_ARGS adds arguments: VLM_ARGS="--tiny --device cpu --dtype fp32 --seq 16" is its CPU dry run),
@@ -155,7 +155,7 @@ for part in $PARTS; do
     label_check) lim=$(limit label_check 90) ;;
     compile_perf) lim=$(limit compile_perf 200) ;;
     verify_scale) lim=$(limit verify_scale 300) ;;
-    vlm_verify) lim=$(limit vlm_verify 240) ;;
+    vlm_verify) lim=$(limit vlm_verify 270) ;;
     convergence) lim=$(limit convergence 120) ;;
     moe) lim=$(limit moe 150) ;;
   esac
