@@ -115,14 +115,28 @@ def test_multimodal_spec_plans_every_rule_on_the_language_tower(spec):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("spec", sorted(VLM_SPECS))
+@pytest.mark.parametrize("spec,dtype", [(s, "fp32") for s in sorted(VLM_SPECS)] +
+                         [("qwen2_5_vl", "bf16"), ("qwen3_vl", "bf16")])   # Gemma 3 bf16: test_shipped_specs
 def test_multimodal_spec_verifies(spec, dtype):
     mt = VLM_SPECS[spec]
     rep = verify(load_spec(shipped_spec(spec)), lambda: vlm_model(mt), dtype=dtype, batch=1, seq=8, device="cpu")
     assert rep.passed, [(r.path, r.quantity) for r in rep.failures()][:5]
     assert not rep.to_json().get("refused")
     assert any(s["path"] == "lm_head" for s in rep.to_json()["sites"])
+
+
+@pytest.mark.slow
+def test_suggest_on_a_vision_language_model_verifies():
+    """``patchdsl suggest`` patches the language tower (M-RoPE attention included), the LM head and
+    loss, lists the vision tower with its reason, and its spec verifies."""
+    from patchdsl.suggestion import VISION_REASON, suggest
+
+    m = vlm_model("qwen2_5_vl")
+    s = suggest(m, dtypes=("fp32",))
+    assert "*.self_attn: Attention -> fused_rope" in s.text and "lm_head: Linear -> fused_linear_cross_entropy" in s.text
+    assert "model.visual.blocks.0.mlp (Qwen2_5_VLMLP): " + VISION_REASON in s.text
+    rep = verify(s.text, lambda: vlm_model("qwen2_5_vl"), dtype="fp32", batch=1, seq=8, device="cpu")
+    assert rep.passed, [(r.path, r.quantity) for r in rep.failures()][:5]
 
 
 @pytest.mark.parametrize("inputs", ["text", "image"])
