@@ -310,3 +310,32 @@ def test_paligemma_softcap_read_from_the_text_config_is_reproduced():
     applies = loss_path.forward_shape(type(ref)).applies_softcap
     assert applies == ("get_text_config" in __import__("inspect").getsource(type(ref).forward))
     assert_same_step(ref, pat, text_batch(seed=13))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llava", "paligemma", "mllama"])
+def test_other_vision_language_models_language_tower_and_loss(model_type):
+    """Llava, PaliGemma and Mllama (no shipped spec): ``suggest`` on the ...ForConditionalGeneration
+    patches every norm, MLP and attention of the language tower (Mllama's tiny config has no
+    cross-attention layer) and the loss, and the suggestion verifies."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from patchdsl.census import shrink_composite
+    from patchdsl.models.loading import tiny_config
+    from patchdsl.suggestion import modules_not_run, suggest
+
+    cfg = shrink_composite(AutoConfig.for_model(model_type), tiny_config)
+    cfg._attn_implementation = "eager"
+
+    def make():
+        torch.manual_seed(0)
+        return AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager")
+
+    m = make()
+    assert type(m).__name__.endswith("ForConditionalGeneration")
+    s = suggest(m, dtypes=("fp32",), skip=modules_not_run(m))
+    counts = s.counts()
+    text = {k: counts[k] for k in ("attention", "loss")}
+    assert text["loss"] == (1, 1) and text["attention"][0] == len(m.model.language_model.layers), counts
+    rep = verify(s.text, make, dtype="fp32", batch=1, seq=8, device="cpu")
+    assert rep.passed, [(r.path, r.quantity) for r in rep.failures()][:5]
