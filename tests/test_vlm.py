@@ -232,39 +232,47 @@ class Variant(Qwen3VLForConditionalGeneration):
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, {body}**kwargs)
         hidden_states = outputs[0]
         logits = self.lm_head(hidden_states)
+        {head}
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size={vocab}, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 """
 
-# (what the forward passes its body, the vocab_size it gives its loss) -> None (reproduced) or the refusal
+V = "self.config.text_config.vocab_size"
+# (what the forward passes its body, the vocab_size it gives its loss, a step on the logits) -> None
+# (reproduced) or the refusal
 VARIANTS = {
-    ("", "self.config.text_config.vocab_size"): None,
-    ("return_dict=True, ", "self.config.get_text_config().vocab_size"): None,
-    ("labels=labels, ", "self.config.text_config.vocab_size"): None,
-    ("", "self.config.text_config.image_size"): r"reads config\.text_config\.image_size",
-    ("", "self.config.vision_config.hidden_size"): r"reads config\.vision_config",
-    ("output_attentions=True, ", "self.config.text_config.vocab_size"): r"passes output_attentions=True",
+    ("", V, "pass"): None,
+    ("return_dict=True, ", "self.config.get_text_config().vocab_size", "pass"): None,
+    ("labels=labels, ", V, "pass"): None,
+    ("", V, "logits = logits * self.config.text_config.logits_scaling"): None,      # HyperCLOVAX vision's
+    ("", "self.config.text_config.image_size", "pass"): r"reads config\.text_config\.image_size",
+    ("", "self.config.vision_config.hidden_size", "pass"): r"reads config\.vision_config",
+    ("output_attentions=True, ", V, "pass"): r"passes output_attentions=True",
+    ("", V, "logits = logits * self.config.text_config.initializer_range"): r"reads config\.text_config\.initializer_range",
 }
 
 
-@pytest.mark.parametrize("body,vocab", list(VARIANTS))
-def test_a_vision_language_forward_is_reproduced_or_refused_by_name(body, vocab, tmp_path, monkeypatch):
+@pytest.mark.parametrize("body,vocab,head", list(VARIANTS))
+def test_a_vision_language_forward_is_reproduced_or_refused_by_name(body, vocab, head, tmp_path, monkeypatch):
     import importlib.util
     import sys
 
     path = tmp_path / "vlm_variant.py"
-    path.write_text(_VARIANT.format(body=body, vocab=vocab))
-    spec = importlib.util.spec_from_file_location(f"vlm_variant_{abs(hash((body, vocab)))}", path)
+    path.write_text(_VARIANT.format(body=body, vocab=vocab, head=head))
+    spec = importlib.util.spec_from_file_location(f"vlm_variant_{abs(hash((body, vocab, head)))}", path)
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
     base = vlm_model("qwen3_vl")
+    base.config.text_config.logits_scaling = 0.25
     ref = mod.Variant(base.config)
     ref.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(40.0)           # logits of tens: a scaling moves the loss
     loss_path._SHAPES.clear()
-    expected = VARIANTS[(body, vocab)]
+    expected = VARIANTS[(body, vocab, head)]
     pat = copy.deepcopy(ref)
     if expected is not None:
         with pytest.raises(PatchError, match=expected):

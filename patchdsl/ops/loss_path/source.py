@@ -25,6 +25,7 @@ KNOWN_SCALARS = {
     "self.logit_scale": "logit_scale",                        # Cohere, Cohere2 (logits * s; set from config.logit_scale)
     "self.model.lm_head_multiplier": "lm_head_multiplier",    # Falcon-H1 (lm_head(h) * m; set from config.lm_head_multiplier)
     "self.config.logits_mup_width_multiplier": "logits_mup_width_multiplier",   # Inkling (hidden / m)
+    "self.config.text_config.logits_scaling": "text_config.logits_scaling",     # HyperCLOVAX vision (logits * s)
 }
 # tanh softcapping cap * tanh(logits / cap), skipped when the value is None
 KNOWN_SOFTCAPS = {
@@ -45,7 +46,7 @@ SUPPORTED_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
 # (``self.config.text_config.vocab_size``, ``self.config.get_text_config()``): these reads, and only
 # these, are allowed (the values are checked against the live model: :func:`host_reason`).
 TEXT_CONFIG_READS = {"self.config.text_config.vocab_size", "self.config.text_config.final_logit_softcapping",
-                     "self.config.get_text_config()"}
+                     "self.config.text_config.logits_scaling", "self.config.get_text_config()"}
 # Arguments a vision-language forward passes to its body beside its own: ``labels=labels`` (Gemma 3 and
 # PaliGemma in transformers 5.17 build their image-token attention mask from it) and a constant
 # ``return_dict=True``; the fused forwards pass them the same way (:attr:`ForwardShape.body_labels`,
