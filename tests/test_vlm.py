@@ -219,6 +219,7 @@ def test_a_text_config_vocab_size_other_than_the_lm_heads_is_refused():
     loss_path._SHAPES.clear()
     with pytest.raises(PatchError, match=r"vocab_size=config\.text_config\.vocab_size = 777.*lm_head has 512"):
         patch_module(m, FLCE)
+    assert loss_path.source._read_value(m, "self.config.get_text_config().vocab_size") == 777
 
 
 _VARIANT = """

@@ -431,7 +431,7 @@ def _read_value(host: Any, source: str) -> Any:
         return getattr(host.config.get_text_config(), source[len(pre):].split("'")[0], None)
     obj = host
     for part in source.split(".")[1:]:
-        obj = getattr(obj, part)
+        obj = getattr(obj, part[:-2])() if part.endswith("()") else getattr(obj, part)   # get_text_config()
     return obj
 
 
@@ -528,7 +528,7 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
     if why:
         return why
     vs = forward_shape(type(host)).vocab_source
-    if vs and vs.startswith("self."):
+    if vs and vs.startswith("self.config.") and "text_config" in vs:    # a vision-language model's language tower
         try:
             v = _read_value(host, vs)
         except AttributeError:
