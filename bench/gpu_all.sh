@@ -37,6 +37,10 @@
 # time and bytes saved for backward, eager vs fused_mlp vs recompute=false, errors against fp32; mlp.json / mlp.txt),
 # verify_scale (300 s; bench/verify_scale.py: `patchdsl verify` of Phi-3-mini, Mistral-7B, Llama-3.1-8B- and Qwen3-8B-shaped
 # models in bf16, batch 1 x 512, 1 step, built on the GPU, streamed float64 reference; time and peak memory per model),
+# vlm_verify (270 s; bench/verify_scale.py --models vlm: `patchdsl verify` of specs/qwen2_5_vl, specs/qwen3_vl and
+# specs/gemma3 on Qwen2.5-VL-7B-, Qwen3-VL-8B- and Gemma-3-4b-it-shaped ...ForConditionalGeneration models built on the GPU,
+# random weights, bf16, batch 1 x 512, 1 step, text only, streamed float64 reference; vlm_verify/verify_<model>.json;
+# VLM_ARGS adds arguments: VLM_ARGS="--tiny --device cpu --dtype fp32 --seq 16" is its CPU dry run),
 # convergence (120 s; bench/convergence.py: Liger-style 32-step convergence test of mini Llama / Qwen3 / Gemma 3 on
 # real text, patchdsl vs unpatched vs Liger),
 # label_check (90 s; linear CE with the label check on and off, chunked and fused modes,
@@ -69,7 +73,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="e2e_8b moe mlp compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="e2e_8b moe mlp compile_perf verify_scale vlm_verify convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -156,6 +160,7 @@ for part in $PARTS; do
     label_check) lim=$(limit label_check 90) ;;
     compile_perf) lim=$(limit compile_perf 200) ;;
     verify_scale) lim=$(limit verify_scale 300) ;;
+    vlm_verify) lim=$(limit vlm_verify 270) ;;
     convergence) lim=$(limit convergence 120) ;;
     moe) lim=$(limit moe 150) ;;
     mlp) lim=$(limit mlp 90) ;;
@@ -310,6 +315,14 @@ for part in $PARTS; do
       [ -f "$WORK/$part/$part.txt" ] && cat "$WORK/$part/$part.txt" >>"$WORK/summary.parts"
       v=$(grep -E "^$part: " "$LOG" | tail -n 1)
       status+=("${v:-$part: no verdict line}")
+      ;;
+    vlm_verify)   # issue 25: the multimodal specs on full-size vision-language models (language tower + loss)
+      mkdir -p "$WORK/vlm_verify"
+      PART_OUT="$WORK/vlm_verify" run_part vlm_verify "$lim" python3 bench/verify_scale.py --models vlm --name vlm_verify \
+        --reference streamed --no-train-step --budget $(( lim - 10 )) ${VLM_ARGS:-}
+      [ -f "$WORK/vlm_verify/vlm_verify.txt" ] && cat "$WORK/vlm_verify/vlm_verify.txt" >>"$WORK/summary.parts"
+      v=$(grep -E "^vlm_verify: " "$LOG" | tail -n 1)
+      status+=("${v:-vlm_verify: no verdict line}")
       ;;
     moe)   # mixture of experts (issue 24): the experts op and a 4-layer Qwen3-30B-A3B-shaped model
       mkdir -p "$WORK/moe"

@@ -15,7 +15,11 @@ float64 parameter peak.  Then, if time is left, measures one pure-bf16 AdamW tra
 the same model at the same batch (weights, gradients and both moments in bf16: the lightest
 AdamW step) for the ratio "verify peak / training step peak".
 
-Writes verify_scale.json and verify_scale.txt into $PART_OUT (or --out); prints the verdict last.
+Writes verify_scale.json and verify_scale.txt (``--name``) into $PART_OUT (or --out); prints the verdict last.
+
+``--models vlm`` runs the multimodal specs (qwen2_5_vl, qwen3_vl, gemma3) on Qwen2.5-VL-7B-,
+Qwen3-VL-8B- and Gemma-3-4b-it-shaped models (``...ForConditionalGeneration``, shipped configs in
+patchdsl/models/configs/): the language tower, LM head and loss, on text-only batches.
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ MODELS = [   # (hub id, shipped spec); the 8B models first
     ("mistralai/Mistral-7B-v0.3", "mistral"),
     ("microsoft/Phi-3-mini-4k-instruct", "phi3"),
 ]
+# --models vlm (the vlm_verify part of bench/gpu_all.sh): the multimodal specs on the language tower of
+# full-size vision-language models (text-only batches; the vision tower is built, not run)
+VLM_MODELS = [
+    ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl"),
+    ("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl"),
+    ("google/gemma-3-4b-it", "gemma3"),
+]
+SETS = {"all": MODELS, "vlm": VLM_MODELS}
 
 
 def train_step_peak(model_id: str, batch: int, seq: int, device: str) -> dict:
@@ -52,7 +64,7 @@ def train_step_peak(model_id: str, batch: int, seq: int, device: str) -> dict:
     m.train()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=False)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, m.config.vocab_size, (batch, seq), generator=g).to(device)
+    ids = torch.randint(0, m.config.get_text_config().vocab_size, (batch, seq), generator=g).to(device)
     out = m(input_ids=ids, labels=ids, use_cache=False)
     out.loss.backward()
     opt.step()
@@ -66,7 +78,9 @@ def train_step_peak(model_id: str, batch: int, seq: int, device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", type=float, default=290.0, help="seconds for everything")
-    ap.add_argument("--models", default="all", help="comma-separated hub ids (default: the four)")
+    ap.add_argument("--models", default="all", help="comma-separated hub ids, or a set: all (the four dense "
+                    "models), vlm (Qwen2.5-VL-7B, Qwen3-VL-8B, Gemma-3-4b-it)")
+    ap.add_argument("--name", default="verify_scale", help="name of the output files and the verdict line")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=1)
@@ -81,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    models = MODELS if a.models == "all" else [(m, dict(MODELS).get(m, "llama")) for m in a.models.split(",")]
+    known = dict(MODELS + VLM_MODELS)
+    models = SETS[a.models] if a.models in SETS else [(m, known.get(m, "llama")) for m in a.models.split(",")]
     rows = []
     for i, (mid, spec) in enumerate(models):
         left = a.budget - (time.perf_counter() - t_start) - 5
@@ -156,14 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         if not r.get("passed"):
             lines.append(f"    {str(r.get('verdict'))[:300]}")
     text = "\n".join(lines)
-    (out / "verify_scale.txt").write_text(text + "\n")
-    (out / "verify_scale.json").write_text(json.dumps({"dtype": a.dtype, "batch": a.batch, "seq": a.seq,
+    (out / f"{a.name}.txt").write_text(text + "\n")
+    (out / f"{a.name}.json").write_text(json.dumps({"dtype": a.dtype, "batch": a.batch, "seq": a.seq,
                                                        "steps": a.steps, "layers": a.layers, "device": a.device,
                                                        "models": rows}, indent=1))
     print(text)
     ok = all(r.get("passed") for r in rows)
     n_ok = sum(1 for r in rows if r.get("passed"))
-    print(f"verify_scale: {'PASS' if ok else 'FAIL'}: {n_ok}/{len(rows)} models pass "
+    print(f"{a.name}: {'PASS' if ok else 'FAIL'}: {n_ok}/{len(rows)} models pass "
           f"({time.perf_counter() - t_start:.0f}s)")
     return 0 if ok else 1
 

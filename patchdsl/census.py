@@ -112,15 +112,8 @@ def tiny_family_config(model_type: str):
     from .models.loading import tiny_config
 
     cfg = AutoConfig.for_model(model_type)
-    sub = {k: getattr(cfg, k) for k in ("text_config", "vision_config", "audio_config")
-           if getattr(cfg, k, None) is not None and hasattr(getattr(cfg, k), "to_dict")}
-    if "text_config" in sub:
-        # a composite config (vision-language): the language tower shrunk as any family, the other
-        # towers shrunk generically
-        cfg.text_config = _tiny(sub["text_config"], tiny_config)
-        for k, c in sub.items():
-            if k != "text_config":
-                setattr(cfg, k, _tiny_tower(c, cfg.text_config))
+    if getattr(cfg, "text_config", None) is not None and hasattr(cfg.text_config, "to_dict"):
+        cfg = shrink_composite(cfg, tiny_config)
     else:
         cfg = _tiny(cfg, tiny_config)
     for c in (cfg, getattr(cfg, "text_config", None)):
@@ -132,6 +125,57 @@ def tiny_family_config(model_type: str):
     # routed experts run as plain loops: verify's float64 reference cannot run grouped_mm
     cfg._experts_implementation = "eager"
     return cfg
+
+
+def shrink_composite(cfg, tiny_config):
+    """A composite (vision-language) config shrunk: the language tower by ``tiny_config`` (as any
+    family), the other towers generically (:func:`_tiny_tower`), multimodal RoPE sections with the
+    head size (:func:`_fit_mrope`).  A copy; ``cfg`` is left as it is."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    sub = {k: getattr(cfg, k) for k in ("text_config", "vision_config", "audio_config")
+           if getattr(cfg, k, None) is not None and hasattr(getattr(cfg, k), "to_dict")}
+    cfg.text_config = _tiny(sub["text_config"], tiny_config)
+    for k, c in sub.items():
+        if k != "text_config":
+            setattr(cfg, k, _tiny_tower(c, cfg.text_config))
+    _fit_mrope(cfg.text_config)
+    if isinstance(getattr(cfg, "mm_tokens_per_image", None), int):
+        # Gemma 3: image tokens = (image_size / patch_size)^2 pooled to this many
+        side = getattr(cfg.vision_config, "image_size", 32) // getattr(cfg.vision_config, "patch_size", 8)
+        cfg.mm_tokens_per_image = min(cfg.mm_tokens_per_image, side * side)
+    return cfg
+
+
+def _fit_mrope(text) -> None:
+    """Multimodal RoPE (Qwen2/2.5/3-VL): the rotary splits head_dim / 2 into temporal, height and
+    width sections (``rope_parameters["mrope_section"]``, else a default in the modeling code sized
+    for the full head_dim); shrunk with head_dim, in the same proportions, summing to head_dim / 2."""
+    import importlib
+
+    rope = getattr(text, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return
+    sec = rope.get("mrope_section")
+    if sec is None:
+        try:
+            src = importlib.import_module(type(text).__module__.replace("configuration_", "modeling_"))
+            import inspect
+            m = re.search(r'mrope_section",\s*\[(\d+),\s*(\d+),\s*(\d+)\]', inspect.getsource(src))
+        except Exception:
+            m = None
+        if m is None:
+            return
+        sec = [int(x) for x in m.groups()]
+    hd = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    half = int(hd * (rope.get("partial_rotary_factor") or 1.0)) // 2
+    if sum(sec) == half:
+        return
+    new = [max(1, round(x * half / sum(sec))) for x in sec]
+    new[0] += half - sum(new)
+    rope["mrope_section"] = new
+    text.rope_parameters = rope
 
 
 class _Shim:

@@ -370,8 +370,9 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     torch.manual_seed(seed)
     loaded = _load_model(model, meta=False, dtype=dtype, device=device, tiny=tiny, seed=seed)
     if tiny:
+        tc = loaded.model.config.get_text_config()      # a vision-language model: its language tower
         say(f"CPU workload: tiny {loaded.model.config.model_type} architecture "
-            f"(hidden {loaded.model.config.hidden_size}, {loaded.model.config.num_hidden_layers} layers); "
+            f"(hidden {tc.hidden_size}, {tc.num_hidden_layers} layers); "
             f"pass --full for the real sizes")
     p = make_plan(sp, loaded.model, dtypes=(dtype,))
     print_plan(p, err=as_json)

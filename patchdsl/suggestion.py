@@ -217,7 +217,7 @@ def suggest(model: Any, *, dtypes: tuple[str, ...] = ("bf16", "fp32"), target: s
     """The suggested spec for ``model`` (a module; the meta device is fine).  See the module doc.
     ``skip``: module paths to leave out, with the reason listed for them (the census passes the modules
     that did not run in a forward of the model: :func:`modules_not_run`)."""
-    skip = dict(skip or {})
+    skip = {**vision_modules(model), **dict(skip or {})}
     from .ops.registry import get_op
     from .planner import model_checker
 
@@ -361,6 +361,29 @@ def _rule_facts(c: Candidate, infos: list) -> str:
                 continue
             parts.append(f"{k} {x:g}" if isinstance(x, float) else f"{k} {x}")
     return (" (" + ", ".join(parts) + ")") if parts else ""
+
+
+VISION_REASON = ("outside the language tower of a vision-language model: it runs only on batches with images, "
+                 "which verify does not feed (docs/language.md, vision-language models): left alone")
+
+
+def vision_modules(model: Any) -> dict[str, str]:
+    """A vision-language model's modules outside its language tower and LM head (the vision tower, the
+    projector), each with :data:`VISION_REASON`; {} for a model without a ``vision_config``."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "vision_config", None) is None:
+        return {}
+    from .parity.stream import decoder_layers
+
+    found = decoder_layers(model)
+    if found is None:
+        return {}
+    tower = found[0].rsplit(".", 1)[0] if "." in found[0] else ""     # model.language_model(.layers)
+    if not tower:
+        return {}
+    keep = (tower, "lm_head")
+    return {n: VISION_REASON for n, _ in model.named_modules()
+            if n and not any(n == k or n.startswith(k + ".") or k.startswith(n + ".") for k in keep)}
 
 
 NOT_RUN_REASON = "did not run in a forward of this model (a path its configuration does not take): left alone"

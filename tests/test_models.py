@@ -36,6 +36,16 @@ SHIPPED = {
                            30_532_122_624),
 }
 
+# vision-language models (issue 25; built as their ...ForConditionalGeneration): id: (class, model_type,
+# text layers, text hidden, text vocab, tied, parameters, M-RoPE sections or None)
+SHIPPED_VLM = {
+    "Qwen/Qwen2.5-VL-7B-Instruct": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", 28, 3584, 152064, False,
+                                    8_292_166_656, [16, 24, 24]),
+    "Qwen/Qwen3-VL-8B-Instruct": ("Qwen3VLForConditionalGeneration", "qwen3_vl", 36, 4096, 151936, False,
+                                  8_767_123_696, [24, 20, 20]),
+    "google/gemma-3-4b-it": ("Gemma3ForConditionalGeneration", "gemma3", 34, 2560, 262208, True, 4_300_079_472, None),
+}
+
 
 def _quiet(_msg: str) -> None:
     pass
@@ -62,7 +72,7 @@ def _offline(monkeypatch):
 
 
 def test_shipped_ids_and_files():
-    assert sorted(shipped_models()) == sorted(SHIPPED)
+    assert sorted(shipped_models()) == sorted([*SHIPPED, *SHIPPED_VLM])
     for hub_id in SHIPPED:
         path = CONFIGS_DIR / (hub_id.replace("/", "__") + ".json")
         d = json.loads(path.read_text())
@@ -92,6 +102,31 @@ def test_shipped_meta_build(hub_id):
     assert sum(p.numel() for p in m.parameters()) == n_params
     assert len(log) == 1 and "meta device" in log[0] and hub_id in log[0]
     assert lm.source == log[0]
+
+
+@pytest.mark.parametrize("hub_id", sorted(SHIPPED_VLM))
+def test_shipped_vision_language_meta_build(hub_id):
+    """A vision-language config builds its ...ForConditionalGeneration (the image-text-to-text class where
+    the model type has no causal LM), the multimodal RoPE sections as the checkpoint's config gives them."""
+    cls, mtype, layers, hidden, vocab, tied, n_params, mrope = SHIPPED_VLM[hub_id]
+    lm = load_model(hub_id, meta=True, log=_quiet)
+    m, t = lm.model, lm.config.get_text_config()
+    assert type(m).__name__ == cls and lm.config.model_type == mtype
+    assert (t.num_hidden_layers, t.hidden_size, t.vocab_size) == (layers, hidden, vocab)
+    assert len(m.model.language_model.layers) == layers and m.lm_head.weight.shape == (vocab, hidden)
+    assert (m.lm_head.weight is m.model.language_model.embed_tokens.weight) == tied
+    assert sum(p.numel() for p in m.parameters()) == n_params
+    rope = t.rope_parameters
+    assert (rope.get("mrope_section") if mrope else None) == mrope
+    tiny = load_model(hub_id, tiny=True, log=_quiet)
+    tt = tiny.config.get_text_config()
+    assert type(tiny.model) is type(m) and tt.hidden_size <= 160 and tt.vocab_size == 512
+    if mrope:      # the sections shrink with head_dim (they must sum to half of it)
+        hd = getattr(tt, "head_dim", None) or tt.hidden_size // tt.num_attention_heads
+        assert sum(tt.rope_parameters["mrope_section"]) == hd // 2
+    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    out = tiny.model(input_ids=ids, labels=ids)
+    assert torch.isfinite(out.loss)
 
 
 def test_shipped_details():

@@ -9,6 +9,7 @@ from patchdsl.resources import specs_dir
 from .families import FAMILIES, tiny_model
 from .moe_families import MOE_FAMILIES, tiny_moe_model
 from .test_family_specs import FAMILY_SPECS, _model as family_model
+from .test_vlm import VLM_SPECS, vlm_model
 
 pytest.importorskip("accelerate")
 
@@ -18,6 +19,9 @@ def _builders() -> dict:
     out = {f: (lambda f=f: tiny_model(f)) for f in FAMILIES}
     out.update({spec: (lambda f=f: tiny_moe_model(f)) for f, (_, _, spec) in MOE_FAMILIES.items() if spec})
     out.update({spec: (lambda t=t: family_model(t)) for spec, t in FAMILY_SPECS.items()})
+    # the multimodal specs on their ...ForConditionalGeneration (gemma3 keeps its text model above: the
+    # spec covers both, and tests/test_vlm.py runs it on the multimodal one)
+    out.update({spec: (lambda t=t: vlm_model(t)) for spec, t in VLM_SPECS.items() if spec not in out})
     return out
 
 

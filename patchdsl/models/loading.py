@@ -282,6 +282,11 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     and a ``vocab`` vocabulary; special token ids beyond it are moved inside it.  A config already
     smaller keeps its own layer count and vocabulary (tiny never grows a user's model).
     """
+    if getattr(config, "text_config", None) is not None and hasattr(config.text_config, "to_dict"):
+        # a vision-language model: its language tower shrunk as above, the vision tower by its common
+        # size names, multimodal RoPE sections with the head size (patchdsl.census)
+        from ..census import shrink_composite
+        return shrink_composite(config, lambda c: tiny_config(c, layers=layers, vocab=vocab))
     d = config.to_dict()
     H0 = int(d["num_attention_heads"])
     KV0 = int(d.get("num_key_value_heads") or H0)
@@ -381,19 +386,20 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
 
 
 def _describe_tiny(cfg) -> str:
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg     # a VLM: its language tower
     return (f"tiny {cfg.model_type} (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
             f"{cfg.num_attention_heads}/{getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} heads, "
             f"vocab {cfg.vocab_size})")
 
 
 def _describe_sizes(cfg) -> str:
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return f"hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}"
 
 
 # ---------------------------------------------------------------- loading
 def _from_pretrained(where: str, *, dtype, device: str, attn_implementation, local_only: bool):
     import torch
-    from transformers import AutoModelForCausalLM
 
     kw: dict[str, Any] = {"dtype": "auto" if dtype is None else dtype, "trust_remote_code": False,
                           "local_files_only": local_only}
@@ -402,15 +408,32 @@ def _from_pretrained(where: str, *, dtype, device: str, attn_implementation, loc
     dev = torch.device(device)
     if dev.type != "cpu":
         kw["device_map"] = str(dev)
-    model = AutoModelForCausalLM.from_pretrained(where, **kw)
+    from transformers import AutoConfig
+
+    model = _auto_class(AutoConfig.from_pretrained(where, local_files_only=local_only)).from_pretrained(where, **kw)
     if dev.type != "cpu" and next(model.parameters()).device != dev:
         model = model.to(dev)
     return model
 
 
+def _auto_class(cfg):
+    """The auto class that builds ``cfg``: the causal LM, or for a vision-language model type without
+    one (Qwen2.5-VL, Qwen3-VL, Llava, PaliGemma) its image-text-to-text model (``...ForConditionalGeneration``;
+    Gemma 3's causal-LM mapping already names it)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto import modeling_auto as ma
+
+    if (cfg.model_type not in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and cfg.model_type in getattr(ma, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {})):
+        from transformers import AutoModelForImageTextToText
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_implementation):
     import torch
-    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM = _auto_class(cfg)
 
     if dtype is None or dtype == "auto":
         cd = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)

@@ -458,12 +458,23 @@ def _stand_in(module: Any, facts: dict):
     cfg.hidden_size = 32
     cfg._attn_implementation = "eager"
     layer_idx = getattr(module, "layer_idx", 0) or 0
+    def make():
+        try:
+            return type(module)(cfg, layer_idx)
+        except TypeError:
+            return type(module)(cfg)
+
     with torch.random.fork_rng(devices=[]):
         with torch.device("meta"):
             try:
-                stand = type(module)(cfg, layer_idx)
-            except TypeError:
-                stand = type(module)(cfg)
+                stand = make()
+            except ValueError:       # "hidden_size must be divisible by num_heads" (Qwen2.5-VL's check)
+                stand = None
+            if stand is None or getattr(stand, "head_dim", d) != d:
+                # a class that derives head_dim from hidden_size / heads (Qwen2.5-VL's text attention):
+                # the stand-in's residual width is heads x head_dim
+                cfg.hidden_size = cfg.num_attention_heads * d
+                stand = make()
         stand = stand.to_empty(device="cpu").float().eval()
         g = torch.Generator().manual_seed(1234)
         with torch.no_grad():

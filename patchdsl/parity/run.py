@@ -68,6 +68,8 @@ def _prepare(model: Any, dtype: Any, device: Any) -> Any:
 
 def _vocab(model: Any) -> int:
     cfg = getattr(model, "config", None)
+    if hasattr(cfg, "get_text_config"):      # a vision-language model: its language tower's vocabulary
+        cfg = cfg.get_text_config()          # (PaliGemma's top-level vocab_size is not its embedding's)
     v = getattr(cfg, "vocab_size", None)
     if isinstance(v, int) and v > 0:
         return v

@@ -220,6 +220,8 @@ def estimate(model: Any, dtype_bytes: int, batch: int, seq: int, device: Any,
             in_layers += k
     other = max(0, total - in_layers)
     cfg = getattr(model, "config", None)
+    if hasattr(cfg, "get_text_config"):          # a vision-language model: its language tower's widths
+        cfg = cfg.get_text_config()
     hidden = _cfg_int(cfg, "hidden_size", "n_embd", "d_model", default=1024)
     inter = _cfg_int(cfg, "intermediate_size", "moe_intermediate_size", "n_inner", default=4 * hidden)
     heads = _cfg_int(cfg, "num_attention_heads", "n_head", default=16)

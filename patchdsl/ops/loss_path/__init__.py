@@ -39,6 +39,11 @@ refused because its delta lives in its forward), the standard ``ForCausalLMLoss`
 whose source calls ``self.lm_head(`` and ``self.loss_function(``, passes its own arguments through
 to ``self.model`` by name, and reads nothing else from ``self`` or ``self.config`` than what the
 fused loss reproduces (vocab_size and the scalings of :data:`KNOWN_SCALARS` / :data:`KNOWN_SOFTCAPS`).
+
+A vision-language model's ``...ForConditionalGeneration`` is such a host too: its forward may read
+the language tower's config (:data:`~.source.TEXT_CONFIG_READS`: ``text_config.vocab_size``, checked
+against lm_head's outputs, and the softcap / scaling there) and pass its body ``labels=labels``
+(Gemma 3, PaliGemma) and ``return_dict=True``, which the fused forwards pass the same way.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def make_jsd_forward(host: Any, kernels: Callable | None, flags: Mapping[str, An
             raise ValueError(f"{where}: teacher_hidden_states have size {h_t.shape[-1]} in their last dimension, "
                              f"the teacher head expects {w_t.shape[1]} (pass the teacher's last hidden state, "
                              "after its final norm: teacher.model(...).last_hidden_state)")
-        outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra)
+        outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra, labels)
         if h_t.dim() != hidden.dim() or h_t.shape[:-1] != hidden.shape[:-1]:
             raise ValueError(f"{where}: teacher_hidden_states are {tuple(h_t.shape)} but the student's hidden states "
                              f"are {tuple(hidden.shape)}: run the teacher on the same input_ids")

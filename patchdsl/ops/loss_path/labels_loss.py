@@ -20,16 +20,22 @@ def shift_labels_of(labels: Any, ignore_index: int) -> Any:
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def _run_body(self: Any, a: dict, extra: dict) -> tuple[Any, Any, Any, bool]:
+def _run_body(self: Any, a: dict, extra: dict, labels: Any = None) -> tuple[Any, Any, Any, bool]:
     """Run the causal LM's decoder body (``self.model``) on the call's arguments once the loss path
     has taken the call: pops ``logits_to_keep`` and ``return_dict`` (the config's default unless the
     call gives one) and returns (the body's outputs, its last hidden state, logits_to_keep,
-    return_dict)."""
+    return_dict).  What the original forward passes to its body beside its own arguments is passed
+    the same way: ``labels`` (Gemma 3, PaliGemma) and constants such as ``return_dict=True``."""
+    shape = forward_shape(type(self))
     logits_to_keep = a.pop("logits_to_keep", 0)
     return_dict = getattr(self.config, "return_dict", True)
     rd = a.pop("return_dict", None) if "return_dict" in a else extra.pop("return_dict", None)
     if rd is not None:
         return_dict = rd
+    if shape.body_labels:
+        a["labels"] = labels
+    for k, v in shape.body_consts.items():
+        a[k] = v
     outputs = self.model(**a, **extra)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     return outputs, hidden, logits_to_keep, return_dict
@@ -128,7 +134,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
         a.pop("labels", None)
         if shape.aux and a.get("output_router_logits") is None:     # as the original forward resolves it
             a["output_router_logits"] = self.config.output_router_logits
-        outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra)
+        outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra, labels)
         hidden = slice_hidden(hidden, logits_to_keep)
         if shift is None:
             shift = shift_labels_of(labels, ignore)

@@ -94,7 +94,7 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
                 a["use_cache"] = False
             else:
                 extra["use_cache"] = False
-        outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra)
+        outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra, labels)
         hidden = slice_hidden(hidden, logits_to_keep)
         if shift is None:
             hidden, targets = hidden[:, :-1], labels[..., 1:]

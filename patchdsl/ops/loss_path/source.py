@@ -25,10 +25,14 @@ KNOWN_SCALARS = {
     "self.logit_scale": "logit_scale",                        # Cohere, Cohere2 (logits * s; set from config.logit_scale)
     "self.model.lm_head_multiplier": "lm_head_multiplier",    # Falcon-H1 (lm_head(h) * m; set from config.lm_head_multiplier)
     "self.config.logits_mup_width_multiplier": "logits_mup_width_multiplier",   # Inkling (hidden / m)
+    "self.config.text_config.logits_scaling": "text_config.logits_scaling",     # HyperCLOVAX vision (logits * s)
 }
 # tanh softcapping cap * tanh(logits / cap), skipped when the value is None
 KNOWN_SOFTCAPS = {
     "self.config.final_logit_softcapping": "final_logit_softcapping",   # Gemma 2/3/3n/4, VaultGemma, NanoChat, Beam
+    # vision-language models: the language tower's config (PaliGemma in transformers 5.24)
+    "self.config.text_config.final_logit_softcapping": "text_config.final_logit_softcapping",
+    "getattr(self.config.get_text_config(), 'final_logit_softcapping', None)": "text_config.final_logit_softcapping",
     "self.config.logits_soft_cap": "logits_soft_cap",                   # RecurrentGemma
 }
 SELF_ATTRS = {"model", "lm_head", "loss_function", "config", "vocab_size", "training", "logit_scale"}
@@ -38,6 +42,16 @@ CONFIG_ATTRS = {"vocab_size", "final_logit_softcapping", "logits_scaling", "use_
                 # read only for warnings by some transformers versions' forwards
                 "_attn_implementation", "rope_scaling", "original_max_position_embeddings"}
 SUPPORTED_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
+# A vision-language model's forward (``...ForConditionalGeneration``) reads its language tower's config
+# (``self.config.text_config.vocab_size``, ``self.config.get_text_config()``): these reads, and only
+# these, are allowed (the values are checked against the live model: :func:`host_reason`).
+TEXT_CONFIG_READS = {"self.config.text_config.vocab_size", "self.config.text_config.final_logit_softcapping",
+                     "self.config.text_config.logits_scaling", "self.config.get_text_config()"}
+# Arguments a vision-language forward passes to its body beside its own: ``labels=labels`` (Gemma 3 and
+# PaliGemma in transformers 5.17 build their image-token attention mask from it) and a constant
+# ``return_dict=True``; the fused forwards pass them the same way (:attr:`ForwardShape.body_labels`,
+# :attr:`ForwardShape.body_consts`).
+BODY_CONSTS = {"return_dict"}
 
 # --------------------------------------------------------------------------- the host's forward
 class ForwardShape:
@@ -53,6 +67,9 @@ class ForwardShape:
         # what the forward does between the body's hidden states and the loss: ("hidden" | "logits",
         # "mul" | "div", source) and ("logits", "softcap", source), in order (see _read_head)
         self.steps: list[tuple[str, str, str]] = []
+        self.body_labels = False           # self.model(..., labels=labels, ...)
+        self.body_consts: dict[str, Any] = {}   # self.model(..., return_dict=True, ...)
+        self.vocab_source: str | None = None    # the loss_function's vocab_size argument (source)
         try:
             src = textwrap.dedent(inspect.getsource(self.func))
         except (OSError, TypeError):
@@ -76,6 +93,11 @@ class ForwardShape:
         when one of them is not a step the fused loss reproduces."""
         steps, why = _read_head(tree.body[0], self.cls.__name__, self.aux["var"] if self.aux else None)
         self.steps = steps
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and _src(n.func) == "self.loss_function":
+                vs = next((k.value for k in n.keywords if k.arg == "vocab_size"),
+                          n.args[2] if len(n.args) > 2 else None)
+                self.vocab_source = _src(vs) if vs is not None else None
         return why
 
     def _analyse(self, tree: ast.Module) -> str | None:
@@ -86,7 +108,17 @@ class ForwardShape:
         if "labels" not in params:
             return f"{name}.forward has no 'labels' argument"
         model_calls = []
+        parents = {c: p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
         for node in ast.walk(fn):
+            if (isinstance(node, ast.Attribute) and _src(node) in ("self.config.text_config", "self.config.get_text_config")):
+                outer = parents.get(node)
+                while isinstance(outer, (ast.Attribute, ast.Call)) and _src(outer) not in TEXT_CONFIG_READS \
+                        and any(r.startswith(_src(outer)) for r in TEXT_CONFIG_READS):
+                    outer = parents.get(outer)
+                if outer is None or _src(outer) not in TEXT_CONFIG_READS:
+                    what = _src(outer) if isinstance(outer, (ast.Attribute, ast.Call)) else _src(node)
+                    return f"{name}.forward reads {what.replace('self.', '', 1)}, which the fused loss does not reproduce"
+                continue
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
                 if node.attr not in SELF_ATTRS and not (self.aux and node.attr in MOE_SELF_ATTRS):
                     return f"{name}.forward uses self.{node.attr}, which the fused loss does not reproduce"
@@ -112,9 +144,15 @@ class ForwardShape:
                 if not (isinstance(kw.value, ast.Name) and kw.value.id == self.var_kw):
                     return f"{name}.forward passes **{ast.unparse(kw.value)} to self.model"
                 continue
+            if kw.arg in BODY_CONSTS and isinstance(kw.value, ast.Constant):
+                self.body_consts[kw.arg] = kw.value.value      # return_dict=True (Gemma 3)
+                continue
             if not (isinstance(kw.value, ast.Name) and kw.value.id == kw.arg):
                 return f"{name}.forward passes {kw.arg}={ast.unparse(kw.value)} to self.model (not its own argument)"
             passed.add(kw.arg)
+        if "labels" in passed:
+            self.body_labels = True              # Gemma 3 / PaliGemma: the body reads the labels too
+            passed.discard("labels")
         expected = set(params) - {"labels", "logits_to_keep", "return_dict"}
         passed.discard("return_dict")
         if passed != expected:
@@ -386,10 +424,14 @@ def router_loss(host: Any, shape: "ForwardShape", outputs: Any, a: Mapping[str, 
 
 
 def _read_value(host: Any, source: str) -> Any:
-    """The value of ``self.a.b`` (``source``) on ``host``."""
+    """The value of ``self.a.b`` (``source``) on ``host``; ``getattr(self.config.get_text_config(),
+    'name', None)`` (a vision-language forward's softcap, :data:`KNOWN_SOFTCAPS`) too."""
+    pre = "getattr(self.config.get_text_config(), '"
+    if source.startswith(pre):
+        return getattr(host.config.get_text_config(), source[len(pre):].split("'")[0], None)
     obj = host
     for part in source.split(".")[1:]:
-        obj = getattr(obj, part)
+        obj = getattr(obj, part[:-2])() if part.endswith("()") else getattr(obj, part)   # get_text_config()
     return obj
 
 
@@ -485,6 +527,16 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
     t, why = head_transform(host)
     if why:
         return why
+    vs = forward_shape(type(host)).vocab_source
+    if vs and vs.startswith("self.config.") and "text_config" in vs:    # a vision-language model's language tower
+        try:
+            v = _read_value(host, vs)
+        except AttributeError:
+            v = None
+        if isinstance(v, int) and v != lm.out_features:
+            # HF's loss views the logits as (-1, vocab_size): another size is not this lm_head's loss
+            return (f"{type(host).__name__}.forward passes vocab_size={vs.replace('self.', '', 1)} = {v} to its loss, "
+                    f"but lm_head has {lm.out_features} outputs")
     if op == "fused_linear_cross_entropy":      # (fused_cross_entropy's forward replays the steps: head_logits)
         facts = info.facts("CausalLM") if info is not None else {}
         want = t["softcap"]
