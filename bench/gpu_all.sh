@@ -31,6 +31,9 @@
 # moe (150 s; bench/moe_bench.py: experts fwd+bwd at the Qwen3-30B-A3B layer shape, patchdsl vs
 # grouped_mm / batched_mm / Liger / matmul floor, then a 4-layer Qwen3-30B-A3B-shaped model 4x2048 default vs patchdsl vs Liger,
 # each in its own process; moe.json / moe.txt),
+# moe_router (60 s; bench/moe_router_bench.py: Qwen3-30B-A3B's router, 16384 tokens, hidden 2048, 128 experts, top 8,
+# bf16, fwd+bwd: fused_router vs the module vs torch.compile vs the matmul floor, norm_topk_prob on and off;
+# moe_router.json / moe_router.txt; verdict `moe_router: PAYS|DOES NOT PAY ...`),
 # verify_scale (300 s; bench/verify_scale.py: `patchdsl verify` of Phi-3-mini, Mistral-7B, Llama-3.1-8B- and Qwen3-8B-shaped
 # models in bf16, batch 1 x 512, 1 step, built on the GPU, streamed float64 reference; time and peak memory per model),
 # convergence (120 s; bench/convergence.py: Liger-style 32-step convergence test of mini Llama / Qwen3 / Gemma 3 on
@@ -65,7 +68,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="moe compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="moe moe_router compile_perf verify_scale convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -153,6 +156,7 @@ for part in $PARTS; do
     verify_scale) lim=$(limit verify_scale 300) ;;
     convergence) lim=$(limit convergence 120) ;;
     moe) lim=$(limit moe 150) ;;
+    moe_router) lim=$(limit moe_router 60) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -305,6 +309,13 @@ for part in $PARTS; do
       run_part moe "$lim" python3 bench/moe_bench.py --out "$WORK/moe" --budget $(( lim - 10 ))
       [ -f "$WORK/moe/moe.txt" ] && cat "$WORK/moe/moe.txt" >>"$WORK/summary.parts"
       status+=("moe: $(grep -E '^moe: ' "$LOG" | tail -n 1)")
+      ;;
+    moe_router)   # does the fused router pay? (issue 24) fused_router vs the module at the Qwen3-30B-A3B shape
+      mkdir -p "$WORK/moe_router"
+      run_part moe_router "$lim" python3 bench/moe_router_bench.py --out "$WORK/moe_router" --budget $(( lim - 10 ))
+      [ -f "$WORK/moe_router/moe_router.txt" ] && cat "$WORK/moe_router/moe_router.txt" >>"$WORK/summary.parts"
+      v=$(grep -E '^moe_router: ' "$LOG" | tail -n 1)
+      status+=("${v:-moe_router: no verdict line}")
       ;;
   esac
   pack
