@@ -591,9 +591,12 @@ def router_reference(logits: Any, top_k: int, scoring: str, norm_topk: bool) -> 
     """(top-k weights, top-k indices) of a router from its logits, in plain torch at the logits' precision
     (float64 in the tests): ``softmax_topk`` = softmax over all experts, the top-k of it, renormalised
     over the k when ``norm_topk``; ``topk_softmax`` = the top-k logits, softmax over those k.  Indices
-    sorted by descending score, ties to the lower index (``torch.topk`` on the CPU and the GPU)."""
+    by descending logit, ties to the lower index (a stable sort: fused_router's rule; ``torch.topk``
+    breaks ties its own way, which differs between its CPU and GPU kernels -- tied experts have equal
+    weights, so only which of them is chosen can differ)."""
     torch = _torch()
-    v, ix = torch.topk(logits, top_k, dim=-1)
+    v, ix = torch.sort(logits, dim=-1, descending=True, stable=True)
+    v, ix = v[..., :top_k], ix[..., :top_k]
     if scoring == "softmax_topk":
         w = torch.softmax(logits, dim=-1).gather(-1, ix)
         if norm_topk:

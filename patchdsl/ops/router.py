@@ -9,8 +9,10 @@ and indices; the forward returns the three in the module's order and dtypes, as 
 GraniteMoE router returns ``(index, weights, logits)``, 5.24's ``(logits, weights, index)``;
 Mixtral keeps its weights in float32, Qwen3-MoE casts them to the logits' dtype).
 
-Top-k is taken on the logits, ties to the lower expert index (what ``torch.topk`` picks on the
-CPU and the GPU); the backward gives the logits the gradient of the selected weights (the indices
+Top-k is taken on the logits, ties to the lower expert index.  ``torch.topk`` breaks exact ties its
+own way (its CPU and GPU kernels differ from each other): tied experts have equal weights, so only
+which of them is chosen can differ; ``patchdsl verify`` compares the router with the routing held
+fixed (tokens whose expert sets differ between the copies are left out).  The backward gives the logits the gradient of the selected weights (the indices
 get none) and autograd adds the router-logits output's own gradient (the auxiliary loss).
 
 Refused (the router stays the model's own, the reason is the plan's): DeepSeek-V3-style routers
@@ -50,7 +52,7 @@ class FusedRouter(Op):
     name = "fused_router"
     kinds = ("Router",)
     template = "fused_router.py.j2"
-    doc = ("a mixture-of-experts router's softmax, top-k (ties to the lower index, as torch.topk) and "
+    doc = ("a mixture-of-experts router's softmax, top-k (exact ties to the lower index) and "
            "optional renormalisation in one kernel, with a backward to the logits through the selected "
            "weights; the router's linear stays a torch matmul; returns what the module returns (order and "
            "dtypes probed); per instance. DeepSeek-V3's sigmoid grouped top-k is refused.")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .compare import Errors, Tolerance, errors, judge, tolerance_for
 from .hooks import Capture, cast_to, run_host, run_site
-from .moe import eager_experts, is_routed_call, routing_grads
+from .moe import eager_experts, is_routed_call, router_checks, routing_grads
 from .reference import float64_mode
 from .report import Check, ParityReport
 from .stream import (MODES, Float64Tally, StreamedReference, VerifyOutOfMemory, choose, decoder_layers, estimate,
@@ -439,6 +439,21 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
                         del h64
                 for name, m in (("hf", hf), ("patched", patched)):
                     res[name].update(routing_grads(m, s.path, c, dt, device, upstream, _ctx(m)))
+            elif not is_lm and _is_router(p, s.path):   # MoE router: its top-k weights, routing held fixed (.moe)
+                rseed = seed * 1_000_003 + 7919 * (i + 1) + 1
+                copies = {"hf": (hf.get_submodule(s.path), dt, _ctx(hf)),
+                          "patched": (patched.get_submodule(s.path), dt, _ctx(patched))}
+                if ref is not None:
+                    copies["ref"] = (ref.get_submodule(s.path), torch.float64, _ctx(ref))
+                    rc = router_checks(copies, c, device, rseed)
+                else:
+                    with stream.host(s.host) as (h64, hp):
+                        rel = s.path[len(hp) + 1:] if hp and s.path != hp else (s.path if not hp else "")
+                        copies["ref"] = (h64.get_submodule(rel) if rel else h64, torch.float64, float64_mode())
+                        rc = router_checks(copies, c, device, rseed)
+                        del h64, copies
+                for name in ("hf", "patched", "ref"):
+                    res[name].update(rc.get(name, {}))
             for q in res["ref"]:
                 rv, hv, pv = res["ref"][q], res["hf"].get(q), res["patched"].get(q)
                 if rv is None and pv is None:
@@ -628,6 +643,11 @@ def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, devi
     for m in models:
         for q in m.parameters():
             q.grad = None
+
+
+def _is_router(p: Any, path: str) -> bool:
+    info = p.infos.get(path)
+    return bool(info is not None and "Router" in info.kinds)
 
 
 def _is_causal_lm(p: Any, host: str) -> bool:
