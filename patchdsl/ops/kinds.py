@@ -659,7 +659,7 @@ def router(m: Any) -> dict | None:
         order = [""] * 3
         order[lg[0]], order[wi], order[ints[0]] = "logits", "weights", "index"
         linear = "input" if torch.equal(out[lg[0]], ref.to(out[lg[0]].dtype)) else "float32"
-        return out[lg[0]], out[wi], out[ints[0]], tuple(order), linear
+        return out[lg[0]], out[wi], out[ints[0]], "_".join(order), linear      # e.g. "logits_weights_index"
 
     r32, rb = run(torch.float32), run(torch.bfloat16)
     if r32 is None or rb is None or r32[3] != rb[3]:

@@ -121,7 +121,7 @@ class FusedRouter(Op):
         linear_fp32 = f["linear"] == "float32"
         logits_fp32 = f["logits_dtype"] == "float32"
         wdt_rule = f["weights_dtype"]
-        order = tuple(f["order"])
+        order = tuple(str(f["order"]).split("_"))      # "logits_weights_index" (5.17's GraniteMoe: index first)
         supported = (torch.float32, torch.bfloat16, torch.float16)
 
         def forward(self, hidden_states, *args, **kwargs):
