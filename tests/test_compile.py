@@ -104,6 +104,8 @@ OPCHECK_RUNS = {
     # mixture of experts (issue 24): concatenated experts; gpt-oss's transposed, interleaved, biased ones
     "qwen3_moe": (lambda: tiny_moe_model("qwen3_moe").train(), "dtype fp32\n*.mlp.experts: Experts -> fused_experts\n"),
     "gpt_oss": (lambda: tiny_moe_model("gpt_oss").train(), "dtype fp32\n*.mlp.experts: Experts -> fused_experts\n"),
+    # the router (softmax, top-k, renormalisation): Mixtral's renormalises and keeps float32 weights
+    "mixtral_router": (lambda: tiny_moe_model("mixtral").train(), "dtype fp32\n*.mlp.gate: Router -> fused_router\n"),
 }
 
 
