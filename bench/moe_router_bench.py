@@ -9,6 +9,8 @@ events (median of REPS after a warm-up):
   fused       the same module patched with fused_router (F.linear, then one Triton kernel each way)
   compile     torch.compile of the module (default mode; norm_topk_prob on only), when it compiles
   matmul      the floor: F.linear forward + backward alone (what every variant does besides the routing)
+  aux loss    transformers' load_balancing_loss_func on one layer's logits, forward + backward (the
+              load-balancing statistics, which fused_router leaves to the loss: what fusing them could save)
 
 plus the same for norm_topk_prob off (Qwen3-MoE's default).  Before timing, the fused outputs are compared
 with the module's: the expert set of every token must be the module's or differ only by exact ties of its
@@ -181,6 +183,17 @@ def run(args):
         with torch.no_grad():
             t["fused fwd"] = time_ms(lambda: fused(x))
             t["module fwd"] = time_ms(lambda: ref(x))
+        if norm:
+            # the load-balancing statistics (not fused: see the op's module doc): what transformers'
+            # load_balancing_loss_func costs for one layer's logits, forward + backward
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+            lg = l0.detach().clone().requires_grad_(True)
+
+            def aux():
+                lg.grad = None
+                load_balancing_loss_func((lg,), shape["experts"], shape["top_k"], None).backward()
+            t["aux loss"] = time_ms(aux)
         rows.append({"norm_topk_prob": norm, "ms": t, "same_index_sets": same_set, "same_index_order": same_order,
                      "differing_sets_are_exact_ties": ties_only, "weights_max_abs_err": w_err,
                      "grad_x_rel_fro": gx_err, "grad_weight_rel_fro": gw_err})
@@ -193,7 +206,7 @@ def table(info, rows, notes):
              f"{'norm':>5} {'variant':>11} {'ms':>9} {'routing ms':>11} {'x module':>9}"]
     for r in rows:
         t = r["ms"]
-        for name in ("module", "compile", "fused", "matmul", "module fwd", "fused fwd"):
+        for name in ("module", "compile", "fused", "matmul", "module fwd", "fused fwd", "aux loss"):
             if name not in t:
                 continue
             routing = t[name] - t["matmul"] if name in ("module", "compile", "fused") else float("nan")

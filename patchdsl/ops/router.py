@@ -18,9 +18,14 @@ get none) and autograd adds the router-logits output's own gradient (the auxilia
 Refused (the router stays the model's own, the reason is the plan's): DeepSeek-V3-style routers
 (sigmoid scores, ``e_score_correction_bias``, top-k within the best groups, ``torch.topk(sorted=False)``
 whose order is the device's), a router with a scoring the probe does not know (not a Router), and
-inputs other than 2-D (the module's own forward runs them).  The load-balancing statistics stay
-in the causal LM's auxiliary loss (``load_balancing_loss_func`` over the returned logits; see the
-loss ops), which this op does not change.
+inputs other than 2-D (the module's own forward runs them).
+
+Not fused: the load-balancing statistics.  They are the causal LM's auxiliary loss
+(``load_balancing_loss_func`` over every layer's returned logits, replayed by the loss ops when
+``output_router_logits`` is on), weighted by the attention mask, which a router never sees; in
+transformers 5.17 and 5.24 that function already accumulates a per-expert histogram and probability
+sum layer by layer (no one-hot tensor, O(tokens x experts) memory).  What fusing them could save is
+its own softmax and top-k per layer: ``bench/moe_router_bench.py`` times it (the ``aux loss`` row).
 """
 
 from __future__ import annotations

@@ -224,3 +224,24 @@ def test_a_module_that_is_not_a_router_is_not_one():
 
     assert router(Scores()) is None and router(Sorted()) is None
     assert router(torch.nn.Linear(8, 4)) is None
+
+
+def test_moe_router_bench_cpu_dry_run(tmp_path, capsys):
+    """bench/moe_router_bench.py (gpu_all.sh part `moe_router`) at a tiny shape on the CPU: every row
+    runs, the agreement holds, the verdict is the last line (no timing is judged)."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "moe_router_bench.py")
+    spec = importlib.util.spec_from_file_location("moe_router_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--cpu-dry", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("moe_router: CPU DRY RUN OK") and "agreement ok" in out[-1], out[-1]
+    data = json.loads((tmp_path / "moe_router.json").read_text())
+    assert [r["norm_topk_prob"] for r in data["rows"]] == [True, False]
+    assert {"module", "fused", "matmul", "aux loss"} <= set(data["rows"][0]["ms"])
+    assert all(r["differing_sets_are_exact_ties"] and r["grad_x_rel_fro"] < 1e-2 for r in data["rows"])
+    assert (tmp_path / "moe_router.txt").read_text().strip().splitlines()[-1] == out[-1]
