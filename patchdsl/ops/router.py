@@ -42,11 +42,11 @@ ROUTER_FACTS = ("experts", "top_k", "bias", "order", "scoring", "norm_topk", "li
 
 
 def router_tiles(experts: int, top_k: int, target: str, rows: Any = "auto") -> dict[str, int]:
-    """Launch shape: tokens per program so that the backward's [rows, k, experts] selection tile stays
-    near 8192 elements (8 tokens at 128 experts, top 8), 1 to 64."""
+    """Launch shape: tokens per program so that a [rows, experts] tile is about 2048 elements (16 tokens
+    at 128 experts), at most 16 on the GPU (64 in the interpreter: fewer Python-level steps)."""
     be, bk = next_pow2(experts), next_pow2(top_k)
     if rows == "auto":
-        rows = max(1, min(64 if target == "interpreter" else 16, 8192 // (be * bk)))
+        rows = max(1, min(64 if target == "interpreter" else 16, 2048 // be))
     rows = next_pow2(int(rows))
     tile = rows * be
     warps = 1 if target == "interpreter" or tile <= 512 else 2 if tile <= 1024 else 4 if tile <= 4096 else 8
@@ -62,8 +62,8 @@ class FusedRouter(Op):
            "weights; the router's linear stays a torch matmul; returns what the module returns (order and "
            "dtypes probed); per instance. DeepSeek-V3's sigmoid grouped top-k is refused.")
     flags = (
-        FlagSpec("rows", "int", "auto", "tokens per program (a power of two); auto = about 8192 / (experts x top-k) "
-                 "elements per backward tile, at most 16", auto_ok=True, min=1, max=64),
+        FlagSpec("rows", "int", "auto", "tokens per program (a power of two); auto = a tile of about 2048 "
+                 "logits, at most 16 tokens", auto_ok=True, min=1, max=64),
     )
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
