@@ -481,6 +481,21 @@ def test_verify_of_the_loss_ops_with_router_logits_on(op):
     assert {("site", "loss"), ("end-to-end", "loss")} <= {(x.kind, x.quantity) for x in r.rows}
 
 
+def test_streamed_verify_with_router_logits_on_leaves_the_aux_loss_out():
+    """The streamed float64 reference runs the decoder layers outside the model (transformers' output
+    recorders never see the routers): with output_router_logits on in the config, verify runs all three
+    copies with it off and says so, instead of crashing in load_balancing_loss_func."""
+    from patchdsl import verify
+    from patchdsl.resources import shipped_spec
+
+    said = []
+    r = verify(shipped_spec("mixtral"), lambda: tiny_moe_model("mixtral", num_hidden_layers=2, output_router_logits=True,
+                                                               router_aux_loss_coef=0.5),
+               dtype="bf16", batch=1, seq=8, device=DEVICE, reference="streamed", steps=1, log=said.append)
+    assert r.passed, [(x.path, x.quantity, x.rel_fro_err, x.tolerance) for x in r.failures()]
+    assert any("the MoE auxiliary loss is left out" in m for m in said), said
+
+
 # ---------------------------------------------------------------- PEFT LoRA on the expert parameters
 def test_peft_lora_on_expert_parameters_trains_through_the_fused_experts():
     peft = pytest.importorskip("peft")

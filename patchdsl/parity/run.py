@@ -357,6 +357,11 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
         gen = torch.Generator().manual_seed(seed)
         vocab = _vocab(patched)
         b0 = _batch(gen, vocab, batch, seq, device)
+        router_off = _router_loss_off(hf) if mode != "whole" else {}
+        if router_off:
+            say("the streamed float64 reference records no router logits: the MoE auxiliary loss is left out "
+                "of all three copies (output_router_logits=False)")
+            b0.update(router_off)
         ref_like = ref if ref is not None else source
         extra = _op_inputs(live, ref_like, hf, patched, batch, seq, seed)   # e.g. a teacher for a distillation loss
         if extra:
@@ -495,7 +500,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
             if mode == "whole":
                 _steps(report, (ref, hf, patched), gen, vocab, batch, seq, steps, lr, device, tol, say, extra)
             else:
-                _first_step(report, stream, (hf, patched), gen, vocab, batch, seq, device, tol, extra)
+                _first_step(report, stream, (hf, patched), gen, vocab, batch, seq, device, tol, extra, router_off)
         report.reference = {
             "mode": mode, "why": why, "float64_params_peak": tally.peak, "params": est.params,
             "layer_params": est.layer_params, "outside_layers_params": est.other_params,
@@ -555,12 +560,12 @@ def _source_device(model: Any, default: Any) -> Any:
 
 
 def _first_step(report: ParityReport, stream: Any, models, gen, vocab, batch, seq, device, tol,
-                extra: dict[str, Any] | None) -> None:
+                extra: dict[str, Any] | None, router_off: dict[str, Any] | None = None) -> None:
     """``steps=1`` with the streamed reference: step 1's loss is taken before any update, so it
     needs no float64 optimizer (see :data:`.stream._STEPS_MSG` for more steps)."""
     import torch
 
-    b = _batch(gen, vocab, batch, seq, device)
+    b = {**_batch(gen, vocab, batch, seq, device), **(router_off or {})}
     losses = []
     for m in models:
         p0 = next(m.parameters(), None)
@@ -643,6 +648,23 @@ def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, devi
     for m in models:
         for q in m.parameters():
             q.grad = None
+
+
+def _router_loss_off(model: Any) -> dict[str, Any]:
+    """``{"output_router_logits": False}`` when ``model`` is a MoE causal LM whose config turns its router
+    logits (and so its auxiliary loss) on: the streamed float64 reference runs the decoder layers one
+    at a time outside the model, where transformers' output recorders do not see the routers, so it
+    has no router logits to add the loss from; ``{}`` otherwise."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    cfg = getattr(model, "config", None)
+    if "output_router_logits" in params and getattr(cfg, "output_router_logits", False) is True:
+        return {"output_router_logits": False}
+    return {}
 
 
 def _is_router(p: Any, path: str) -> bool:
