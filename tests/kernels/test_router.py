@@ -15,7 +15,7 @@ import torch
 
 from patchdsl.ops.kinds import router_reference
 
-from .helpers import DEVICE, TARGET, TORCH_DTYPES, assert_close, kernel_for
+from .helpers import DEVICE, ON_GPU, TARGET, TORCH_DTYPES, assert_close, kernel_for
 
 OP = "fused_router"
 
@@ -121,7 +121,7 @@ def _patched(family, dtype=torch.float32, **over):
 
     from ..moe_families import tiny_moe_model
 
-    model = tiny_moe_model(family, dtype=dtype, **over)
+    model = tiny_moe_model(family, dtype=dtype, **over).to(DEVICE)
     ref = copy.deepcopy(model)
     sel = FAMILIES[family]
     h = apply(plan(f"{sel}: Router -> fused_router\n", model, target=TARGET), model, target=TARGET)
@@ -139,7 +139,7 @@ def test_the_patched_router_returns_what_the_module_returns(family, dtype):
     r, r0, h = _patched(family, dt)
     assert "forward" in r.__dict__
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(21, r.weight.shape[1], generator=g).to(dt).requires_grad_(True)
+    x = torch.randn(21, r.weight.shape[1], generator=g).to(dt).to(DEVICE).requires_grad_(True)
     x0 = x.detach().clone().requires_grad_(True)
     a, b = r(x), r0(x0)
     assert [t.dtype for t in a] == [t.dtype for t in b] and [t.shape for t in a] == [t.shape for t in b]
@@ -148,7 +148,7 @@ def test_the_patched_router_returns_what_the_module_returns(family, dtype):
             assert_close(u, v, dtype, "router output")
         else:
             assert torch.equal(u, v)
-    ups = [torch.randn(t.shape, generator=g).to(t.dtype) for t in b if t.is_floating_point()]
+    ups = [torch.randn(t.shape, generator=g).to(t.dtype).to(DEVICE) for t in b if t.is_floating_point()]
     torch.autograd.backward([t for t in a if t.is_floating_point()], ups)
     torch.autograd.backward([t for t in b if t.is_floating_point()], ups)
     assert_close(x.grad, x0.grad, dtype, "grad x", factor=2)
@@ -161,7 +161,7 @@ def test_the_patched_router_returns_what_the_module_returns(family, dtype):
 def test_other_calls_run_the_modules_own_forward():
     """A 3-D input (transformers' blocks reshape to 2-D before the router) runs the module's own forward."""
     r, r0, _ = _patched("qwen3_moe")
-    x = torch.randn(2, 5, r.weight.shape[1])
+    x = torch.randn(2, 5, r.weight.shape[1], device=DEVICE)
     for u, v in zip(r(x), r0(x)):
         assert torch.equal(u, v)
 
@@ -170,8 +170,8 @@ def test_under_autocast_the_dtypes_follow_the_module():
     """fp32 weights under bf16 autocast: the linear runs in bf16, the weights come back in the logits'
     dtype (Qwen3-MoE casts them so), as the module's own forward gives them."""
     r, r0, _ = _patched("qwen3_moe")
-    x = torch.randn(11, r.weight.shape[1])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    x = torch.randn(11, r.weight.shape[1], device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         a, b = r(x), r0(x)
     assert [t.dtype for t in a] == [t.dtype for t in b] == [torch.bfloat16, torch.bfloat16, torch.int64]
     assert torch.equal(a[2], b[2])
@@ -226,6 +226,7 @@ def test_a_module_that_is_not_a_router_is_not_one():
     assert router(torch.nn.Linear(8, 4)) is None
 
 
+@pytest.mark.skipif(ON_GPU, reason="CPU harness test (the GPU runs bench/gpu_all.sh part moe_router)")
 def test_moe_router_bench_cpu_dry_run(tmp_path, capsys):
     """bench/moe_router_bench.py (gpu_all.sh part `moe_router`) at a tiny shape on the CPU: every row
     runs, the agreement holds, the verdict is the last line (no timing is judged)."""
