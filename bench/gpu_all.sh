@@ -35,6 +35,9 @@
 # each in its own process; moe.json / moe.txt),
 # mlp (90 s; bench/mlp_bench.py: fused_mlp on StarCoder2-3B's and Minitron-4B's plain MLPs, bf16, 8x2048 tokens: fwd+bwd
 # time and bytes saved for backward, eager vs fused_mlp vs recompute=false, errors against fp32; mlp.json / mlp.txt),
+# moe_router (60 s; bench/moe_router_bench.py: Qwen3-30B-A3B's router, 16384 tokens, hidden 2048, 128 experts, top 8,
+# bf16, fwd+bwd: fused_router vs the module vs torch.compile vs the matmul floor, norm_topk_prob on and off;
+# moe_router.json / moe_router.txt; verdict `moe_router: PAYS|DOES NOT PAY ...`),
 # verify_scale (300 s; bench/verify_scale.py: `patchdsl verify` of Phi-3-mini, Mistral-7B, Llama-3.1-8B- and Qwen3-8B-shaped
 # models in bf16, batch 1 x 512, 1 step, built on the GPU, streamed float64 reference; time and peak memory per model),
 # vlm_verify (270 s; bench/verify_scale.py --models vlm: `patchdsl verify` of specs/qwen2_5_vl, specs/qwen3_vl and
@@ -73,7 +76,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="e2e_8b moe mlp compile_perf verify_scale vlm_verify convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="e2e_8b moe moe_router mlp compile_perf verify_scale vlm_verify convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -164,6 +167,7 @@ for part in $PARTS; do
     convergence) lim=$(limit convergence 120) ;;
     moe) lim=$(limit moe 150) ;;
     mlp) lim=$(limit mlp 90) ;;
+    moe_router) lim=$(limit moe_router 60) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -335,6 +339,13 @@ for part in $PARTS; do
       run_part mlp "$lim" python3 bench/mlp_bench.py --out "$WORK/mlp" --budget $(( lim - 30 ))
       [ -f "$WORK/mlp/mlp.txt" ] && cat "$WORK/mlp/mlp.txt" >>"$WORK/summary.parts"
       status+=("mlp: $(grep -E '^mlp: ' "$LOG" | tail -n 1 | cut -c1-400)")
+      ;;
+    moe_router)   # does the fused router pay? (issue 24) fused_router vs the module at the Qwen3-30B-A3B shape
+      mkdir -p "$WORK/moe_router"
+      run_part moe_router "$lim" python3 bench/moe_router_bench.py --out "$WORK/moe_router" --budget $(( lim - 10 ))
+      [ -f "$WORK/moe_router/moe_router.txt" ] && cat "$WORK/moe_router/moe_router.txt" >>"$WORK/summary.parts"
+      v=$(grep -E '^moe_router: ' "$LOG" | tail -n 1)
+      status+=("${v:-moe_router: no verdict line}")
       ;;
   esac
   pack

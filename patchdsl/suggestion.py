@@ -8,7 +8,8 @@ The candidates, per concern, in order of preference (the first op that plans on 
 
     attention  fused_qk_norm_rope (fuses q_norm/k_norm), then fused_rope
     norms      fused_rmsnorm, fused_layernorm (modules fused into an attention op are left out)
-    mlp        fused_swiglu, fused_geglu, fused_experts, fused_mlp (plain, non-gated)
+    mlp        fused_swiglu, fused_geglu, fused_mlp (plain, non-gated), fused_experts (routed experts),
+               fused_router (MoE routers)
     loss       fused_linear_cross_entropy on the causal LM's lm_head
 
 The spec has one rule per op, its selectors folded as a person writes them (``*.mlp`` when every
@@ -52,6 +53,8 @@ CANDIDATES: tuple[Candidate, ...] = (
               "plain MLP: the activation in one kernel, act(up(x)) recomputed in backward (projections stay GEMMs)"),
     Candidate("mlp", "Experts", "fused_experts", "",
               "routed experts: grouped GEMMs with the activation and the routing weights in their epilogues"),
+    Candidate("mlp", "Router", "fused_router", "",
+              "MoE router: softmax, top-k and renormalisation in one kernel (its linear stays a GEMM)"),
     Candidate("loss", "Linear", "fused_linear_cross_entropy", "ignore_index=-100, chunk=auto",
               "lm_head matmul + cross entropy in chunks: the logits never exist whole"),
 )
@@ -100,7 +103,7 @@ def _concern(info) -> str | None:
     ks = info.kinds
     if "MoEBlock" in ks:
         return None          # a sparse MoE block: its experts module (and shared-expert MLPs) are the sites
-    if "Experts" in ks:
+    if "Experts" in ks or "Router" in ks:
         return "mlp"
     if "Attention" in ks:
         return "attention"

@@ -108,6 +108,8 @@ OPCHECK_RUNS = {
     # with recompute=false the activation alone (mlp_act ops); both in the one kernel module
     "nemotron": (lambda: _census_model("nemotron"), "dtype fp32\n*.mlp: MLP -> fused_mlp\n"
                                                     "model.layers.0.mlp: MLP -> fused_mlp(recompute=false)\n"),
+    # the router (softmax, top-k, renormalisation): Mixtral's renormalises and keeps float32 weights
+    "mixtral_router": (lambda: tiny_moe_model("mixtral").train(), "dtype fp32\n*.mlp.gate: Router -> fused_router\n"),
 }
 
 

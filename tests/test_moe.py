@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import types
 
 import pytest
 import torch
@@ -347,12 +348,152 @@ def test_fused_loss_adds_the_router_aux_loss_as_the_model_does(family, cfg_flag,
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), n
 
 
-def test_logprobs_refuse_a_forward_with_a_router_loss():
+# the post-training losses on MoE models: what the model's forward returns, with the router's aux loss
+ROUTER_FLAGS = [(False, None), (True, None), (False, True), (True, False)]   # (config, call) output_router_logits
+
+
+def _moe_batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (2, 8), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0                              # the aux loss weighs tokens by the attention mask
+    labels = ids.clone()
+    labels[1, 2:4] = -100
+    return ids, mask, labels
+
+
+def _patched_pair(family, rule, cfg_flag):
     from patchdsl import apply, plan
 
-    model = tiny_moe_model("mixtral")
-    h = apply(plan("lm_head: Linear -> fused_linear_logprobs\n", model, target=TARGET), model, target=TARGET)
-    assert h.refused and "auxiliary loss" in str(h.refused[0])
+    model = tiny_moe_model(family, output_router_logits=cfg_flag, router_aux_loss_coef=0.5)
+    assert model.router_aux_loss_coef == 0.5     # the forward reads it from self, set from the config at init
+    ref = copy.deepcopy(model)
+    h = apply(plan(rule, model, target=TARGET), model, target=TARGET)
+    assert not h.refused, h.refused
+    return model, ref
+
+
+def _assert_same_grads(model, ref, rtol=1e-4, atol=1e-7):
+    n_router = 0
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=rtol, atol=atol), n
+            n_router += ".mlp.gate" in n or ".mlp.router" in n
+    assert n_router                              # the router was trained through the loss
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("cfg_flag,call_flag", ROUTER_FLAGS)
+def test_logprobs_on_moe_return_what_the_forward_returns(family, cfg_flag, call_flag):
+    """fused_linear_logprobs on a MoE causal LM: a training call with labels returns the model's own output
+    (loss with router_aux_loss_coef * aux_loss, aux_loss, router_logits) as the unpatched forward does, and
+    fused_lm_head=True returns the per-token log-probs of the unpatched logits plus the same aux loss
+    (TRL's FusedCausalLMOutput contract), gradients included, with output_router_logits off and on."""
+    model, ref = _patched_pair(family, "lm_head: Linear -> fused_linear_logprobs\n", cfg_flag)
+    ids, mask, labels = _moe_batch()
+    kw = {} if call_flag is None else {"output_router_logits": call_flag}
+    on = cfg_flag if call_flag is None else call_flag
+    a = model(input_ids=ids, attention_mask=mask, labels=labels, **kw)
+    b = ref(input_ids=ids, attention_mask=mask, labels=labels, **kw)
+    assert type(a) is type(b) and a.logits is None
+    assert (a.aux_loss is not None) == on == (b.aux_loss is not None)
+    assert (a.router_logits is not None) == on == (b.router_logits is not None)
+    if on:
+        assert torch.allclose(a.aux_loss, b.aux_loss, rtol=1e-6, atol=1e-7)
+        for x, y in zip(a.router_logits, b.router_logits):
+            assert torch.equal(x, y)
+    assert torch.allclose(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    a.loss.backward()
+    b.loss.backward()
+    _assert_same_grads(model, ref)
+
+    model.zero_grad()
+    ref.zero_grad()
+    f = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **kw)
+    r = ref(input_ids=ids, attention_mask=mask, **kw)
+    y = labels[:, 1:]
+    keep = y != -100
+    lp = torch.log_softmax(r.logits[:, :-1].double(), -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+    lp = torch.where(keep, lp, torch.zeros_like(lp))
+    assert torch.allclose(f.log_probs.double(), lp, rtol=1e-5, atol=1e-5)
+    expect = -lp.sum() / keep.sum()
+    assert (f.aux_loss is not None) == on and (f.router_logits is not None) == on
+    if on:
+        assert torch.allclose(f.aux_loss, r.aux_loss, rtol=1e-6, atol=1e-7)
+        expect = expect + 0.5 * r.aux_loss.double()
+    assert torch.allclose(f.loss.double(), expect, rtol=1e-5, atol=1e-6)
+    f.loss.backward()
+    expect.backward()
+    _assert_same_grads(model, ref)
+
+
+@pytest.mark.parametrize("family,cfg_flag,call_flag", [("mixtral", True, None), ("qwen3_moe", False, True),
+                                                       ("olmoe", False, None)])
+def test_jsd_on_moe_adds_the_router_loss_as_the_forward_does(family, cfg_flag, call_flag):
+    """fused_linear_jsd on a MoE causal LM: loss = JSD + router_aux_loss_coef * aux_loss when
+    output_router_logits resolves on (the JSD alone when off), aux_loss as the unpatched forward's,
+    gradients as the plain-PyTorch JSD plus the unpatched aux loss give them."""
+    from patchdsl.ops.loss_path import make_jsd_forward
+
+    model, ref = _patched_pair(family, "lm_head: Linear -> fused_linear_jsd(beta=0.5)\n", cfg_flag)
+    ids, mask, labels = _moe_batch(2)
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(16, 128, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(128, 16, generator=g) * 0.3)
+    h_t = torch.randn(2, 8, 16, generator=g)
+    kw = {} if call_flag is None else {"output_router_logits": call_flag}
+    on = cfg_flag if call_flag is None else call_flag
+    a = model(input_ids=ids, attention_mask=mask, labels=labels, teacher_hidden_states=h_t, teacher_head=head, **kw)
+    jsd_only = types.MethodType(make_jsd_forward(ref, None, {"beta": 0.5}), ref)
+    j = jsd_only(input_ids=ids, attention_mask=mask, labels=labels, teacher_hidden_states=h_t, teacher_head=head,
+                 output_router_logits=False)
+    assert j.aux_loss is None
+    expect = j.loss
+    assert (a.aux_loss is not None) == on
+    if on:
+        plain = ref(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        assert torch.allclose(a.aux_loss, plain.aux_loss, rtol=1e-6, atol=1e-7)
+        expect = expect + 0.5 * plain.aux_loss
+    assert torch.allclose(a.loss, expect, rtol=1e-5, atol=1e-6)
+    a.loss.backward()
+    expect.backward()
+    if on:
+        _assert_same_grads(model, ref)
+    else:
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7)), n
+
+
+@pytest.mark.parametrize("op", ["fused_linear_cross_entropy", "fused_linear_logprobs", "fused_linear_jsd"])
+def test_verify_of_the_loss_ops_with_router_logits_on(op):
+    """verify with output_router_logits on in the config: end to end the aux loss is in all three copies'
+    loss; the head's site check (the body stubbed, no router logits) runs with it off instead of crashing
+    in HF's forward (load_balancing_loss_func(None) is the int 0)."""
+    from patchdsl import verify
+
+    r = verify(f"lm_head: Linear -> {op}\n",
+               lambda: tiny_moe_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.5),
+               dtype="bf16", batch=1, seq=8, device=DEVICE)
+    assert r.passed, [(x.path, x.quantity, x.rel_fro_err, x.tolerance) for x in r.failures()]
+    assert not r.to_json().get("refused")
+    assert {("site", "loss"), ("end-to-end", "loss")} <= {(x.kind, x.quantity) for x in r.rows}
+
+
+def test_streamed_verify_with_router_logits_on_leaves_the_aux_loss_out():
+    """The streamed float64 reference runs the decoder layers outside the model (transformers' output
+    recorders never see the routers): with output_router_logits on in the config, verify runs all three
+    copies with it off and says so, instead of crashing in load_balancing_loss_func."""
+    from patchdsl import verify
+    from patchdsl.resources import shipped_spec
+
+    said = []
+    r = verify(shipped_spec("mixtral"), lambda: tiny_moe_model("mixtral", num_hidden_layers=2, output_router_logits=True,
+                                                               router_aux_loss_coef=0.5),
+               dtype="bf16", batch=1, seq=8, device=DEVICE, reference="streamed", steps=1, log=said.append)
+    assert r.passed, [(x.path, x.quantity, x.rel_fro_err, x.tolerance) for x in r.failures()]
+    assert any("the MoE auxiliary loss is left out" in m for m in said), said
 
 
 # ---------------------------------------------------------------- PEFT LoRA on the expert parameters

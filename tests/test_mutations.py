@@ -101,8 +101,15 @@ def tiny_gpt_oss():
     return tiny_moe_model("gpt_oss")
 
 
+def tiny_mixtral():
+    """Mixtral (issue 24): a router that renormalises its top-k weights and keeps them in float32."""
+    from .moe_families import tiny_moe_model
+
+    return tiny_moe_model("mixtral")
+
+
 MODELS = {"qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "phi": tiny_phi, "qwen3_moe": tiny_qwen3_moe,
-          "gpt_oss": tiny_gpt_oss}
+          "gpt_oss": tiny_gpt_oss, "mixtral": tiny_mixtral}
 
 SPECS = {
     "fused_rmsnorm": "*.input_layernorm, *.post_attention_layernorm, model.norm: RMSNorm -> fused_rmsnorm\n",
@@ -120,6 +127,7 @@ SPECS = {
     # emulated: the recipe's numerics on the CPU (fp8 matmuls are refused off Hopper); verify's floor is the recipe's
     "fp8_linear": "*.mlp.{gate_proj,up_proj,down_proj}, *.self_attn.{q_proj,o_proj}: Linear -> fp8_linear(emulate=true)\n",
     "fused_experts": "*.mlp.experts: Experts -> fused_experts\n",
+    "fused_router": "*.mlp.gate: Router -> fused_router\n",
 }
 
 
@@ -352,6 +360,19 @@ ALL_MUTATIONS = [
     Mutation("fused_experts", "gate_up_bias_grad_dropped",
              (Edit(r"sg\.to\(DGUB", "(sg * 0.0).to(DGUB", r"^def _dw_up_kernel\("),),
              model="gpt_oss", dtype="fp32", expect=("grad_gate_up_proj_bias",)),
+    # ---- fused_router (issue 24; Qwen3-MoE: softmax top-2 of 4, not renormalised; Mixtral: renormalised)
+    Mutation("fused_router", "softmax_denominator_dropped",
+             (Edit(r"w = tl\.exp\(sel_v - mx\[:, None\]\) / den\[:, None\]", "w = tl.exp(sel_v - mx[:, None])",
+                   r"^def router_fwd_kernel\("),), model="qwen3_moe", expect=("top_k_weights",)),
+    Mutation("fused_router", "softmax_grad_mean_dropped",
+             (Edit(r"dl = p \* \(G - s\[:, None\]\)", "dl = p * G", r"^def router_bwd_kernel\("),),
+             model="qwen3_moe", expect=("grad_input_via_weights", "grad_weight_via_weights")),
+    Mutation("fused_router", "renormalised_grad_mean_dropped",
+             (Edit(r"c = w \* \(g - tl\.sum\(g \* w, 1\)\[:, None\]\)", "c = w * g", r"^def router_bwd_kernel\("),),
+             model="mixtral", dtype="fp32", expect=("grad_input_via_weights",)),
+    Mutation("fused_router", "second_choice_repeats_the_first",
+             (Edit(r"work = tl\.where\(cols\[None, :\] == i\[:, None\], float\(\"-inf\"\), work\)", "work = work",
+                   r"^def router_fwd_kernel\("),), model="mixtral", expect=("top_k_index",)),
     # ---- fused_geglu (Gemma 3: tanh GELU)
     Mutation("fused_geglu", "dup_without_activation",
              (Edit(r"\(dy \* a\)", "(dy * g)", GLU_BWD),), model="gemma3", expect=("grad_up_proj.weight",)),

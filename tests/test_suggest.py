@@ -255,15 +255,17 @@ def test_python_api():
 # ------------------------------------------------------------------ mixtures of experts
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_suggest_patches_routed_experts_and_the_loss_of_moe_models(family):
-    """A sparse MoE block is not an MLP site: its experts module is (fused_experts), and the fused
-    loss takes MoE models (the router's auxiliary loss replayed); the suggestion verifies."""
+    """A sparse MoE block is not an MLP site: its experts module is (fused_experts), and so is its router
+    (fused_router); the fused loss takes MoE models (the router's auxiliary loss replayed); the
+    suggestion verifies."""
     from patchdsl.parity import verify
 
     from .moe_families import tiny_moe_model
 
     s = suggest(tiny_moe_model(family), dtypes=("fp32",))
     assert "*.mlp.experts: Experts -> fused_experts" in s.text or ".mlp.experts: Experts -> fused_experts" in s.text
-    assert s.counts()["mlp"] == (1, 1) and s.counts()["loss"] == (1, 1), s.counts()
+    assert ".mlp.gate: Router -> fused_router" in s.text, s.text
+    assert s.counts()["mlp"] == (2, 2) and s.counts()["loss"] == (1, 1), s.counts()
     assert not any("mixture" in why for why in s.unpatched.values()), s.unpatched
     rep = verify(s.text, lambda: tiny_moe_model(family), dtype="fp32", batch=1, seq=8, device="cpu")
     assert rep.passed, [r.path for r in rep.failures()]

@@ -725,6 +725,112 @@ def moe_block(m: Any) -> dict | None:
     return facts
 
 
+# ---- the router module (issue 24: fused_router) ---------------------------------------------------
+ROUTER_SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+ROUTER_ROLES = ("logits", "weights", "index")
+
+
+def router_reference(logits: Any, top_k: int, scoring: str, norm_topk: bool) -> tuple[Any, Any]:
+    """(top-k weights, top-k indices) of a router from its logits, in plain torch at the logits' precision
+    (float64 in the tests): ``softmax_topk`` = softmax over all experts, the top-k of it, renormalised
+    over the k when ``norm_topk``; ``topk_softmax`` = the top-k logits, softmax over those k.  Indices
+    by descending logit, ties to the lower index (a stable sort: fused_router's rule; ``torch.topk``
+    breaks ties its own way, which differs between its CPU and GPU kernels -- tied experts have equal
+    weights, so only which of them is chosen can differ)."""
+    torch = _torch()
+    v, ix = torch.sort(logits, dim=-1, descending=True, stable=True)
+    v, ix = v[..., :top_k], ix[..., :top_k]
+    if scoring == "softmax_topk":
+        w = torch.softmax(logits, dim=-1).gather(-1, ix)
+        if norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+    elif scoring == "topk_softmax":
+        w = torch.softmax(v, dim=-1)
+    else:
+        raise ValueError(f"router_reference: no reference for scoring {scoring!r}")
+    return w, ix
+
+
+@kind("Router", "a mixture-of-experts router: a [experts, hidden] weight (optional bias) and a top_k, "
+      "forward(hidden) -> router logits, top-k weights, top-k indices (in any order); scoring (softmax then "
+      "top-k with or without renormalising, top-k then softmax, DeepSeek-V3's sigmoid grouped top-k) and "
+      "output dtypes probed")
+def router(m: Any) -> dict | None:
+    torch = _torch()
+    k = m.__dict__.get("top_k")
+    w = m._parameters.get("weight")
+    if (not isinstance(k, int) or isinstance(k, bool) or not isinstance(w, torch.Tensor) or w.dim() != 2
+            or m._modules or isinstance(m, (torch.nn.Linear, torch.nn.Embedding))):
+        return None
+    E, H = int(w.shape[0]), int(w.shape[1])
+    if not 0 < k < E or H < 1:
+        return None
+    b = m._parameters.get("bias")
+    if b is not None and (b.dim() != 1 or b.shape[0] != E):
+        return None
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(9, H, generator=g)
+    wt = torch.randn(E, H, generator=g) / H ** 0.5
+    bt = torch.randn(E, generator=g) * 0.1 if b is not None else None
+    corr = torch.randn(E, generator=g) * 0.05
+
+    def run(dt):
+        params = {"weight": wt.to(dt)}
+        if bt is not None:
+            params["bias"] = bt.to(dt)
+        clone = stand_in(m, **params)
+        if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor):
+            clone._buffers["e_score_correction_bias"] = corr.clone()
+        try:
+            with torch.no_grad():
+                out = type(m).forward(clone, x.to(dt))
+        except Exception:
+            return None
+        if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+            return None
+        ints = [i for i, t in enumerate(out) if not t.is_floating_point()]
+        lin = torch.nn.functional.linear
+        ref = lin(x.to(dt), wt.to(dt), bt.to(dt) if bt is not None else None)      # in the input dtype
+        ref32 = lin(x.to(dt).float(), wt.to(dt).float(), bt.to(dt).float() if bt is not None else None)
+        lg = [i for i, t in enumerate(out) if t.is_floating_point() and t.shape == (9, E)
+              and (torch.equal(t, ref.to(t.dtype)) or torch.equal(t, ref32.to(t.dtype)))]
+        if len(ints) != 1 or len(lg) != 1 or out[ints[0]].shape != (9, k):
+            return None
+        wi = 3 - ints[0] - lg[0]
+        if wi == ints[0] or wi == lg[0] or out[wi].shape != (9, k) or not out[wi].is_floating_point():
+            return None
+        order = [""] * 3
+        order[lg[0]], order[wi], order[ints[0]] = "logits", "weights", "index"
+        linear = "input" if torch.equal(out[lg[0]], ref.to(out[lg[0]].dtype)) else "float32"
+        return out[lg[0]], out[wi], out[ints[0]], "_".join(order), linear      # e.g. "logits_weights_index"
+
+    r32, rb = run(torch.float32), run(torch.bfloat16)
+    if r32 is None or rb is None or r32[3] != rb[3]:
+        return None
+    facts: dict[str, Any] = {"experts": E, "hidden": H, "top_k": int(k), "bias": b is not None, "order": r32[3],
+                             "scoring": None, "norm_topk": None, "_corr": corr.double()}
+    ow, oi = r32[1], r32[2]
+    for name, extra, cw, ci in _router_candidates(m, x.double(), wt.double(), bt.double() if bt is not None else None,
+                                                  facts):
+        if ci.shape == oi.shape and torch.equal(torch.sort(ci, -1)[0], torch.sort(oi, -1)[0]):
+            order_o, order_c = torch.argsort(oi, -1), torch.argsort(ci, -1)
+            if torch.allclose(ow.double().gather(1, order_o), cw.gather(1, order_c), rtol=1e-5, atol=1e-7):
+                facts["scoring"] = name
+                facts.update(extra)
+                break
+    facts.pop("_corr")
+    if facts["scoring"] is None:
+        return None
+    lb, wb = rb[0], rb[1]
+    # dtypes (bf16 probe): the logits in the input dtype or float32 (and computed in which), the weights
+    # in the logits' dtype (Qwen3-MoE: .to(router_logits.dtype)), float32 (Mixtral) or the input's (GraniteMoe)
+    facts["linear"] = rb[4]
+    facts["logits_dtype"] = "float32" if lb.dtype == torch.float32 else "input"
+    facts["weights_dtype"] = ("logits" if wb.dtype == lb.dtype else "float32" if wb.dtype == torch.float32
+                              else "input")
+    return facts
+
+
 # ---- what each kind needs, structurally (for errors that say why a module fits no kind) ----------------
 # (helper "families"; read by patchdsl.select when a rule's modules fit no kind)
 KIND_NEEDS = {

@@ -193,6 +193,16 @@ def base_stub(hidden: Any, like: Any = None) -> Any:
     return stub
 
 
+def _takes(module: Any, name: str) -> bool:
+    """Whether ``module.forward`` has a parameter ``name``."""
+    import inspect
+
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def run_site(model: Any, host_path: str, site_path: str, captured: Captured, dtype: Any, device: Any,
              upstream: Callable[[Any], Any], is_lm: bool, context: Any = None) -> dict[str, Any]:
     """Run ``model``'s host module once on ``captured`` inputs cast to ``dtype``; backpropagate
@@ -222,6 +232,10 @@ def run_host(host: Any, module: Any, host_path: str, captured: Captured, dtype: 
         name = base_model_name(host)
         restore = (name, host._modules[name])
         host._modules[name] = base_stub(x, host._modules[name])
+        if _takes(host, "output_router_logits"):
+            # MoE: the stub records no router logits, so the head's site check runs without the
+            # router's aux loss (HF's forward would crash on None); the aux loss is checked end to end
+            kwargs["output_router_logits"] = False
     else:
         loc = primary_input(args, kwargs)
         x = None

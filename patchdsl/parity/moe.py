@@ -119,3 +119,108 @@ def routing_grads(model: Any, site_path: str, captured: Any, dtype: Any, device:
         return {"grad_top_k_weights": None}
     (g,) = torch.autograd.grad(out, [w], upstream(out), allow_unused=True)
     return {"grad_top_k_weights": g}
+
+
+# ---- the router (fused_router): its top-k weights, with the routing held fixed ---------------------
+def router_roles(out: Any) -> tuple[Any, Any] | None:
+    """(top-k weights, top-k indices) of a router module's output: the indices are its one integer
+    tensor, the weights the floating one with the indices' shape (the third is the logits, wherever the
+    version puts them: transformers 5.17's GraniteMoe router returns (index, weights, logits))."""
+    import torch
+
+    if not isinstance(out, (tuple, list)):
+        return None
+    ts = [t for t in out if isinstance(t, torch.Tensor)]
+    ints = [t for t in ts if not t.is_floating_point()]
+    if len(ints) != 1 or ints[0].dim() != 2:
+        return None
+    ws = [t for t in ts if t.is_floating_point() and t.shape == ints[0].shape]
+    return (ws[0], ints[0]) if len(ws) == 1 else None
+
+
+def _n_experts(out: Any, idx: Any) -> int:
+    """The router's expert count: the last dimension of its logits (the output's other floating tensor)."""
+    import torch
+
+    for t in out:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2 and t.shape != idx.shape:
+            return int(t.shape[-1])
+    return int(idx.max()) + 1 if idx.numel() else 1
+
+
+def router_checks(copies: dict[str, tuple[Any, Any, Any]], captured: Any, device: Any, seed: int) -> dict[str, dict]:
+    """For a Router site: per copy (``{name: (module, dtype, context)}``: the unpatched and patched
+    routers and the float64 reference's), ``top_k_weights`` (scattered onto the experts: the order of
+    the k slots does not matter) and the gradients of the input and of the router's parameters through
+    those weights (``grad_input_via_weights``, ``grad_<param>_via_weights``) for one random upstream
+    per (token, expert).  The routing is held fixed: tokens whose selected experts differ between the
+    copies (near-ties the float64 reference breaks otherwise) are left out of the weights and their
+    gradients, so an expert choice flipping at a tie cannot fail those checks, while a wrong weight or
+    gradient does; ``top_k_index`` (the chosen experts as 0/1 per token and expert) checks the choice
+    itself on every token that is not a near-tie of the reference's logits (its k-th and (k+1)-th
+    largest closer than 8 roundings of the narrowest dtype), where every copy must choose as it does.
+    Returns ``{}`` per copy when the module's output is not a router's."""
+    import contextlib
+
+    import torch
+
+    from .hooks import cast_to
+
+    outs: dict[str, Any] = {}
+    ref_logits = None
+    n_exp = 1
+    for name, (m, dt, ctx) in copies.items():
+        args = cast_to(captured.args, dt, device)
+        kwargs = cast_to(captured.kwargs, dt, device)
+        with torch.no_grad(), (ctx or contextlib.nullcontext()):
+            out = m(*args, **kwargs)
+        roles = router_roles(out)
+        if roles is None:
+            return {n: {} for n in copies}
+        outs[name] = roles[1]
+        n_exp = max(n_exp, _n_experts(out, roles[1]))
+        if name == "ref":
+            ref_logits = next((t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point()
+                               and t.dim() == 2 and t.shape[-1] == n_exp and t.shape != roles[1].shape), None)
+    idx = [torch.sort(i.long(), -1)[0].cpu() for i in outs.values()]
+    n, k = idx[0].shape
+    keep = torch.ones(n, dtype=torch.bool)
+    for i in idx[1:]:
+        if i.shape != idx[0].shape:
+            return {n: {} for n in copies}
+        keep &= (i == idx[0]).all(-1)
+    # tokens whose k-th and (k+1)-th reference logits are closer than the narrowest dtype's rounding
+    # can pick either expert: a near-tie.  Everywhere else the expert choice must be the reference's.
+    near = torch.zeros(n, dtype=torch.bool)
+    if ref_logits is not None and k < ref_logits.shape[-1]:
+        lr = ref_logits.detach().double().cpu()
+        top = torch.sort(lr, -1, descending=True)[0]
+        eps = max(torch.finfo(dt).eps for _, dt, _ in copies.values())
+        near = (top[:, k - 1] - top[:, k]) <= 8 * eps * lr.abs().amax(-1).clamp_min(1e-30)
+    g = torch.Generator().manual_seed(seed)
+    up = torch.randn((n, n_exp), generator=g, dtype=torch.float64) * keep[:, None]
+    res: dict[str, dict] = {}
+    for name, (m, dt, ctx) in copies.items():
+        args = list(cast_to(captured.args, dt, device))
+        kwargs = cast_to(captured.kwargs, dt, device)
+        x = args[0].requires_grad_(True) if args and isinstance(args[0], torch.Tensor) else None
+        params = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+        with torch.enable_grad(), (ctx or contextlib.nullcontext()):
+            w, ix = router_roles(m(*args, **kwargs))
+        dense = torch.zeros((ix.shape[0], n_exp), dtype=torch.float64, device=ix.device)
+        dense.scatter_(1, ix.long(), w.detach().double())
+        chosen = torch.zeros((ix.shape[0], n_exp), dtype=torch.float64, device=ix.device)
+        chosen.scatter_(1, ix.long(), 1.0)
+        q = {"top_k_index": chosen * (~near)[:, None].to(chosen.device),     # 1 where chosen, near-ties left out
+             "top_k_weights": dense * keep[:, None].to(dense.device)}
+        inputs = ([x] if x is not None else []) + [p for _, p in params]
+        gw = up.to(ix.device).gather(1, ix.long()).to(w.dtype)
+        grads = (torch.autograd.grad(w, inputs, gw, allow_unused=True) if w.requires_grad and inputs
+                 else [None] * len(inputs))
+        if x is not None:
+            q["grad_input_via_weights"] = grads[0]
+            grads = grads[1:]
+        for (n, _), gr in zip(params, grads):
+            q[f"grad_{n}_via_weights"] = gr
+        res[name] = q
+    return res

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .compare import Errors, Tolerance, errors, judge, tolerance_for
 from .hooks import Capture, cast_to, run_host, run_site
-from .moe import eager_experts, is_routed_call, routing_grads
+from .moe import eager_experts, is_routed_call, router_checks, routing_grads
 from .reference import float64_mode
 from .report import Check, ParityReport
 from .stream import (MODES, Float64Tally, StreamedReference, VerifyOutOfMemory, choose, decoder_layers, estimate,
@@ -359,6 +359,11 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
         gen = torch.Generator().manual_seed(seed)
         vocab = _vocab(patched)
         b0 = _batch(gen, vocab, batch, seq, device)
+        router_off = _router_loss_off(hf) if mode != "whole" else {}
+        if router_off:
+            say("the streamed float64 reference records no router logits: the MoE auxiliary loss is left out "
+                "of all three copies (output_router_logits=False)")
+            b0.update(router_off)
         ref_like = ref if ref is not None else source
         extra = _op_inputs(live, ref_like, hf, patched, batch, seq, seed)   # e.g. a teacher for a distillation loss
         if extra:
@@ -441,6 +446,21 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
                         del h64
                 for name, m in (("hf", hf), ("patched", patched)):
                     res[name].update(routing_grads(m, s.path, c, dt, device, upstream, _ctx(m)))
+            elif not is_lm and _is_router(p, s.path):   # MoE router: its top-k weights, routing held fixed (.moe)
+                rseed = seed * 1_000_003 + 7919 * (i + 1) + 1
+                copies = {"hf": (hf.get_submodule(s.path), dt, _ctx(hf)),
+                          "patched": (patched.get_submodule(s.path), dt, _ctx(patched))}
+                if ref is not None:
+                    copies["ref"] = (ref.get_submodule(s.path), torch.float64, _ctx(ref))
+                    rc = router_checks(copies, c, device, rseed)
+                else:
+                    with stream.host(s.host) as (h64, hp):
+                        rel = s.path[len(hp) + 1:] if hp and s.path != hp else (s.path if not hp else "")
+                        copies["ref"] = (h64.get_submodule(rel) if rel else h64, torch.float64, float64_mode())
+                        rc = router_checks(copies, c, device, rseed)
+                        del h64, copies
+                for name in ("hf", "patched", "ref"):
+                    res[name].update(rc.get(name, {}))
             for q in res["ref"]:
                 rv, hv, pv = res["ref"][q], res["hf"].get(q), res["patched"].get(q)
                 if rv is None and pv is None:
@@ -482,7 +502,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
             if mode == "whole":
                 _steps(report, (ref, hf, patched), gen, vocab, batch, seq, steps, lr, device, tol, say, extra)
             else:
-                _first_step(report, stream, (hf, patched), gen, vocab, batch, seq, device, tol, extra)
+                _first_step(report, stream, (hf, patched), gen, vocab, batch, seq, device, tol, extra, router_off)
         report.reference = {
             "mode": mode, "why": why, "float64_params_peak": tally.peak, "params": est.params,
             "layer_params": est.layer_params, "outside_layers_params": est.other_params,
@@ -542,12 +562,12 @@ def _source_device(model: Any, default: Any) -> Any:
 
 
 def _first_step(report: ParityReport, stream: Any, models, gen, vocab, batch, seq, device, tol,
-                extra: dict[str, Any] | None) -> None:
+                extra: dict[str, Any] | None, router_off: dict[str, Any] | None = None) -> None:
     """``steps=1`` with the streamed reference: step 1's loss is taken before any update, so it
     needs no float64 optimizer (see :data:`.stream._STEPS_MSG` for more steps)."""
     import torch
 
-    b = _batch(gen, vocab, batch, seq, device)
+    b = {**_batch(gen, vocab, batch, seq, device), **(router_off or {})}
     losses = []
     for m in models:
         p0 = next(m.parameters(), None)
@@ -630,6 +650,28 @@ def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, devi
     for m in models:
         for q in m.parameters():
             q.grad = None
+
+
+def _router_loss_off(model: Any) -> dict[str, Any]:
+    """``{"output_router_logits": False}`` when ``model`` is a MoE causal LM whose config turns its router
+    logits (and so its auxiliary loss) on: the streamed float64 reference runs the decoder layers one
+    at a time outside the model, where transformers' output recorders do not see the routers, so it
+    has no router logits to add the loss from; ``{}`` otherwise."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    cfg = getattr(model, "config", None)
+    if "output_router_logits" in params and getattr(cfg, "output_router_logits", False) is True:
+        return {"output_router_logits": False}
+    return {}
+
+
+def _is_router(p: Any, path: str) -> bool:
+    info = p.infos.get(path)
+    return bool(info is not None and "Router" in info.kinds)
 
 
 def _is_causal_lm(p: Any, host: str) -> bool:

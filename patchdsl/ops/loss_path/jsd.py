@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from ..common import signature_binder, unwrap
-from .labels_loss import _body_fields, _run_body, original_forward, slice_hidden
+from .labels_loss import _body_fields, _run_body, add_router_loss, original_forward, resolve_router_flag, slice_hidden
 from .source import forward_shape
 
 # --------------------------------------------------------------------------- distillation (JSD)
@@ -70,6 +70,9 @@ def make_jsd_forward(host: Any, kernels: Callable | None, flags: Mapping[str, An
     without grad.  ``distill_temperature=`` overrides the flag's temperature for that call.  Any
     other call: the original forward.  Shape errors name the site and say what was expected.
     ``kernels=None``: the same call answered by :func:`reference_jsd` (verify's unpatched copies).
+    Mixture of experts: with ``output_router_logits`` on (the call's, else the config's) the loss is
+    the JSD plus ``router_aux_loss_coef * aux_loss`` and ``aux_loss`` is set, as the model's forward
+    adds its router loss to whatever loss it computes.
     """
     import torch
 
@@ -126,6 +129,7 @@ def make_jsd_forward(host: Any, kernels: Callable | None, flags: Mapping[str, An
             raise ValueError(f"{where}: teacher_hidden_states have size {h_t.shape[-1]} in their last dimension, "
                              f"the teacher head expects {w_t.shape[1]} (pass the teacher's last hidden state, "
                              "after its final norm: teacher.model(...).last_hidden_state)")
+        resolve_router_flag(self, shape, a, extra)
         outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra, labels)
         if h_t.dim() != hidden.dim() or h_t.shape[:-1] != hidden.shape[:-1]:
             raise ValueError(f"{where}: teacher_hidden_states are {tuple(h_t.shape)} but the student's hidden states "
@@ -156,6 +160,7 @@ def make_jsd_forward(host: Any, kernels: Callable | None, flags: Mapping[str, An
         else:
             loss = kernels(w.dtype).linear_jsd(hidden, w, b, h_t, w_t, b_t, targets, num_items, t)
         rest = _body_fields(outputs, shape)
+        loss = add_router_loss(self, shape, outputs, a, extra, loss, rest)     # MoE, as the forward adds it
         out = shape.output_cls(loss=loss, logits=None, **rest)
         return out if return_dict else out.to_tuple()
 

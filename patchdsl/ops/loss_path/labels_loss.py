@@ -47,6 +47,29 @@ def _body_fields(outputs: Any, shape: Any) -> dict[str, Any]:
     return {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None)) for f in shape.output_fields}
 
 
+def resolve_router_flag(self: Any, shape: ForwardShape, a: dict, extra: dict) -> None:
+    """MoE (issue 24): ``output_router_logits`` resolved as the original forward resolves it (the
+    call's value, else the config's) before the body runs, so the body records the router logits
+    exactly when the unpatched forward would have it record them."""
+    if not shape.aux:
+        return
+    where = a if "output_router_logits" in a or "output_router_logits" in shape.sig.parameters else extra
+    if where.get("output_router_logits") is None:
+        where["output_router_logits"] = self.config.output_router_logits
+
+
+def add_router_loss(self: Any, shape: ForwardShape, outputs: Any, a: Mapping[str, Any], extra: Mapping[str, Any],
+                    loss: Any, rest: dict) -> Any:
+    """``loss`` plus the router's auxiliary load-balancing loss as the original forward adds it
+    (``router_aux_loss_coef * aux_loss``, :func:`router_loss`) when ``output_router_logits`` is on,
+    with ``rest["aux_loss"]`` set to it; ``loss`` unchanged when it is off (or the model has none)."""
+    aux_loss = router_loss(self, shape, outputs, {**extra, **a})
+    if aux_loss is None:
+        return loss
+    rest["aux_loss"] = aux_loss
+    return loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+
+
 def slice_hidden(hidden: Any, logits_to_keep: Any) -> Any:
     """The slicing the HF forward applies before lm_head (int: last k, 0 = all; tensors)."""
     import torch
@@ -132,8 +155,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
         if lm.weight.dtype not in supported:
             return original(self, *args, **kwargs)
         a.pop("labels", None)
-        if shape.aux and a.get("output_router_logits") is None:     # as the original forward resolves it
-            a["output_router_logits"] = self.config.output_router_logits
+        resolve_router_flag(self, shape, a, extra)
         outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra, labels)
         hidden = slice_hidden(hidden, logits_to_keep)
         if shift is None:
@@ -167,10 +189,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
             loss = kernels(logits.dtype).cross_entropy(logits.reshape(-1, logits.shape[-1]), shift.reshape(-1),
                                                        num_items)
         rest = _body_fields(outputs, shape)
-        aux_loss = router_loss(self, shape, outputs, a)
-        if aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-            rest["aux_loss"] = aux_loss
+        loss = add_router_loss(self, shape, outputs, a, extra, loss, rest)
         out = shape.output_cls(loss=loss, logits=logits, **rest)
         return out if return_dict else out.to_tuple()
 

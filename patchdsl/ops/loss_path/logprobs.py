@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from ..common import signature_binder, unwrap
-from .labels_loss import _body_fields, _run_body, original_forward, slice_hidden
+from .labels_loss import _body_fields, _run_body, add_router_loss, original_forward, resolve_router_flag, slice_hidden
 from .source import forward_shape
 
 # --------------------------------------------------------------------------- per-token log-probs
 _FUSED_OUTPUT: list = []
 
 FUSED_FIELDS = ("loss", "log_probs", "entropy", "lse", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask",
-                "aux_loss", "logits", "past_key_values", "hidden_states", "attentions")
+                "aux_loss", "logits", "past_key_values", "hidden_states", "attentions", "router_logits")
 
 
 def fused_output_cls() -> type:
@@ -28,6 +28,10 @@ def fused_output_cls() -> type:
     mean temperature-scaled logit, ``is_top1`` whether the label is the argmax, ``label_mask``
     label != ignore_index (no gradient).  ``loss`` = -sum(log_probs) / num_items_in_batch (the
     number of labels that are not ignored when not given; NaN when all are ignored, as HF's loss).
+    Mixture of experts: when ``output_router_logits`` is on (the call's value, else the config's,
+    as the model's forward resolves it) ``aux_loss`` is the router's load-balancing loss the model's
+    forward computes, ``router_logits`` the body's, and ``loss`` includes
+    ``router_aux_loss_coef * aux_loss`` (TRL's FusedCausalLMOutput does the same).
     """
     if not _FUSED_OUTPUT:
         import dataclasses
@@ -94,6 +98,7 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
                 a["use_cache"] = False
             else:
                 extra["use_cache"] = False
+        resolve_router_flag(self, shape, a, extra)
         outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra, labels)
         hidden = slice_hidden(hidden, logits_to_keep)
         if shift is None:
@@ -114,6 +119,7 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
         denom = mask.sum() if num_items is None else num_items     # all ignored: NaN (0 / 0), as HF
         loss = -lp.sum() / denom
         rest = _body_fields(outputs, shape)
+        loss = add_router_loss(self, shape, outputs, a, extra, loss, rest)     # MoE, as the forward adds it
         if fused:
             out = output_cls(loss=loss, log_probs=lp, entropy=ent, lse=lse, log_sum_sq_probs=lssq,
                              mean_logits=mean, is_top1=top1, label_mask=mask,

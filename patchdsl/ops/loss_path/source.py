@@ -553,9 +553,6 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
         what = transforms_logits(t)
         if what:
             return f"the forward transforms the logits ({what}), which {op} does not reproduce"
-        if forward_shape(type(host)).aux:
-            return (f"the forward adds the MoE router's auxiliary loss (output_router_logits), which {op} does "
-                    "not reproduce; use fused_linear_cross_entropy")
     return None
 
 
