@@ -376,7 +376,7 @@ def vision_modules(model: Any) -> dict[str, str]:
     cfg = getattr(model, "config", None)
     if getattr(cfg, "vision_config", None) is None:
         return {}
-    from .parity.stream import decoder_layers
+    from .ops.common import decoder_layers
 
     found = decoder_layers(model)
     if found is None:

@@ -284,8 +284,8 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     """
     if getattr(config, "text_config", None) is not None and hasattr(config.text_config, "to_dict"):
         # a vision-language model: its language tower shrunk as above, the vision tower by its common
-        # size names, multimodal RoPE sections with the head size (patchdsl.census)
-        from ..census import shrink_composite
+        # size names, multimodal RoPE sections with the head size (patchdsl.models.shrink)
+        from .shrink import shrink_composite
         return shrink_composite(config, lambda c: tiny_config(c, layers=layers, vocab=vocab))
     d = config.to_dict()
     H0 = int(d["num_attention_heads"])

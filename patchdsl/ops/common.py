@@ -114,3 +114,17 @@ def unwrap(m: Any) -> Any:
                 return m.modules_to_save[active]
             return inner
     return m
+
+
+def decoder_layers(model: Any) -> tuple[str, Any] | None:
+    """(path, ModuleList) of the model's decoder layers: the ``nn.ModuleList`` holding the most
+    parameters (``model.layers`` in Llama-like models), or None when there is none."""
+    import torch
+
+    best, best_n = None, 0
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 0:
+            n = sum(p.numel() for p in m.parameters())
+            if n > best_n:
+                best, best_n = (name, m), n
+    return best

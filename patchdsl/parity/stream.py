@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .hooks import Capture, base_model_of, first_tensor
+from ..ops.common import decoder_layers  # noqa: F401  (parity.run imports it from here)
 from .reference import float64_mode
 
 MODES = ("auto", "whole", "streamed")
@@ -50,20 +51,6 @@ class VerifyOutOfMemory(VerifyError):
 
 
 # ---------------------------------------------------------------- the decoder layers
-def decoder_layers(model: Any) -> tuple[str, Any] | None:
-    """(path, ModuleList) of the model's decoder layers: the ``nn.ModuleList`` holding the most
-    parameters (``model.layers`` in Llama-like models), or None when there is none."""
-    import torch
-
-    best, best_n = None, 0
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.ModuleList) and len(m) > 0:
-            n = sum(p.numel() for p in m.parameters())
-            if n > best_n:
-                best, best_n = (name, m), n
-    return best
-
-
 def truncate_layers(model: Any, n: int) -> tuple[int, int]:
     """Keep the first ``n`` decoder layers (``verify --layers N``); returns (kept, of).  The
     config's ``num_hidden_layers`` (and per-layer lists such as ``layer_types``) follow."""
