@@ -458,12 +458,21 @@ def _stand_in(module: Any, facts: dict):
     cfg.hidden_size = 32
     cfg._attn_implementation = "eager"
     layer_idx = getattr(module, "layer_idx", 0) or 0
-    with torch.random.fork_rng(devices=[]):
+
+    def make():
         with torch.device("meta"):
             try:
-                stand = type(module)(cfg, layer_idx)
+                return type(module)(cfg, layer_idx)
             except TypeError:
-                stand = type(module)(cfg)
+                return type(module)(cfg)
+
+    with torch.random.fork_rng(devices=[]):
+        stand = make()
+        own = getattr(stand, "head_dim", None) or getattr(stand, "head_size", None)
+        if isinstance(own, int) and own != d:
+            # the class derives head_dim from hidden_size / heads (Mllama, GPT-NeoX, Phi): widen hidden_size
+            cfg.hidden_size = cfg.num_attention_heads * d
+            stand = make()
         stand = stand.to_empty(device="cpu").float().eval()
         g = torch.Generator().manual_seed(1234)
         with torch.no_grad():
@@ -531,7 +540,8 @@ def layout_reason(module: Any, facts: dict, an: AttentionAnalysis) -> str | None
     return None
 
 
-def _probe(module, facts, an, qk_ref, norm_fn=None) -> str | None:
+def _probe(module, facts, an, qk_ref, norm_fn=None, replacement_for=None) -> str | None:
+    """``replacement_for(stand)``: the replacement forward to compare (default: build_forward's)."""
     import torch
 
     try:
@@ -550,7 +560,8 @@ def _probe(module, facts, an, qk_ref, norm_fn=None) -> str | None:
         x = torch.randn(2, s, hid, generator=g)
         ang = torch.randn(1, s, r, generator=g) * 2
         steps.append((x, ang.cos(), ang.sin()))
-    replacement = types.MethodType(build_forward(an, qk_ref, norm_fn), stand)
+    fn = replacement_for(stand) if replacement_for is not None else build_forward(an, qk_ref, norm_fn)
+    replacement = types.MethodType(fn, stand)
     original = types.MethodType(an.cls.forward, stand)
     caches = []
     results = []
@@ -561,7 +572,9 @@ def _probe(module, facts, an, qk_ref, norm_fn=None) -> str | None:
             outs = []
             start = 0
             for x, c, s_ in steps:
-                kw = {"position_embeddings": (c, s_), "attention_mask": None, an.cache_param: cache}
+                kw = {"position_embeddings": (c, s_), "attention_mask": None}
+                if an.cache_param is not None:
+                    kw[an.cache_param] = cache
                 if takes_positions:      # Ministral 3 / Llama 4 scale queries by position
                     kw["position_ids"] = torch.arange(start, start + x.shape[1])[None].expand(x.shape[0], -1)
                 start += x.shape[1]
