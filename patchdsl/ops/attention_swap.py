@@ -211,9 +211,15 @@ def probe_swap(module: Any, facts: dict, sw: RopeSwap) -> str | None:
     holder: dict[str, Any] = {}
 
     def expect():
-        cfg = holder["stand"].config
-        nq = int(cfg.num_attention_heads)
-        return nq, int(getattr(cfg, "num_key_value_heads", None) or nq), dim, r
+        from .kinds import linear_like
+
+        stand = holder["stand"]
+        nq = int(stand.config.num_attention_heads)
+        nk = int(getattr(stand.config, "num_key_value_heads", None) or nq)
+        kp = linear_like(getattr(stand, "k_proj", None))
+        if kp is not None and kp.out_features % d == 0:
+            nk = kp.out_features // d           # the stand-in layer's own (as the facts read the module's)
+        return nq, nk, dim, r
 
     def replacement_for(stand):
         holder["stand"] = stand

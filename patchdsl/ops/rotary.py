@@ -188,6 +188,8 @@ def attention_facts(m: Any, rmsnorm: Callable, linear_like: Callable) -> dict | 
     if not head_dim and n_heads and isinstance(getattr(cfg, "hidden_size", None), int):
         head_dim = cfg.hidden_size // n_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    if k is not None and isinstance(head_dim, int) and head_dim and k.out_features % head_dim == 0:
+        n_kv = k.out_features // head_dim      # this layer's own (MiMo-V2's sliding layers have more kv heads)
     if not isinstance(head_dim, int) or not isinstance(n_heads, int) or not head_dim or not n_heads:
         return None
     lay = rope_function_layout(rope_function(type(m))) if calls_rope_function(type(m)) else None
@@ -196,6 +198,14 @@ def attention_facts(m: Any, rmsnorm: Callable, linear_like: Callable) -> dict | 
     facts: dict[str, Any] = {"head_dim": int(head_dim), "n_heads": int(n_heads), "n_kv_heads": int(n_kv),
                              "fused_qkv": qkv_name is not None}
     rope_params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(rope_params, dict) and rope_params and all(isinstance(v, dict) for v in rope_params.values()):
+        # per layer type (Gemma 3, MiMo-V2: {"full_attention": {...}, "sliding_attention": {...}}): this layer's
+        lt = getattr(m, "layer_type", None)
+        types_ = getattr(cfg, "layer_types", None)
+        idx = getattr(m, "layer_idx", None)
+        if lt is None and isinstance(types_, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types_):
+            lt = types_[idx]
+        rope_params = rope_params.get(lt) or next(iter(rope_params.values()))
     prf = getattr(cfg, "partial_rotary_factor", None)
     if prf is None and isinstance(rope_params, dict):
         prf = rope_params.get("partial_rotary_factor")
