@@ -140,6 +140,10 @@ def rope_route(module: Any, f: Mapping[str, Any]):
         if an.qk_norm and scope is None:
             first = ("its q_norm/k_norm normalise neither each head (head_dim) nor the whole q/k projection "
                      "(heads x head_dim), so the replacement cannot call them")
+            from .kinds import unwrap
+            if all(getattr(getattr(unwrap(getattr(module, n, None)), "weight", None), "dim", lambda: 0)() == 1
+                   for n in ("q_norm", "k_norm")):
+                return first        # weights of another width: this module's own structure is inconsistent
         else:
             def qk_ref(self, q, k, cos, sin):
                 if an.qk_norm:

@@ -133,10 +133,31 @@ def _forward_tree(cls: type):
     return src, ast.parse(src)
 
 
+def _split_at_rotary(value, name: str, targets) -> bool:
+    """``q_rot, q_pass = (q[..., :X], q[..., X:])`` with ``name`` the first: the rotary/pass split."""
+    import ast
+
+    if not (isinstance(targets, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List))
+            and len(targets.elts) == len(value.elts) == 2):
+        return False
+    if getattr(targets.elts[0], "id", None) != name:
+        return False
+    a, b = value.elts
+    if not (isinstance(a, ast.Subscript) and isinstance(b, ast.Subscript)):
+        return False
+    if ast.dump(a.value) != ast.dump(b.value):
+        return False
+    sa = a.slice.elts[-1] if isinstance(a.slice, ast.Tuple) else a.slice
+    sb = b.slice.elts[-1] if isinstance(b.slice, ast.Tuple) else b.slice
+    return (isinstance(sa, ast.Slice) and isinstance(sb, ast.Slice) and sa.lower is None and sa.upper is not None
+            and sb.upper is None and sb.lower is not None and ast.dump(sa.upper) == ast.dump(sb.lower))
+
+
 def rope_call_input(cls: type) -> str:
-    """What the forward hands to ``apply_rotary_pos_emb``: ``"rotary"`` when it slices q to the rotary
-    dims first (``query_states[..., : self.rotary_ndims]``: Phi, StableLM, Persimmon) and concatenates
-    the rest back itself, else ``"head"`` (whole heads; the function passes the rest through)."""
+    """What the forward hands to ``apply_rotary_pos_emb``: ``"rotary"`` when it splits q into its rotary
+    and pass-through parts first (``query_rot, query_pass = (q[..., :n], q[..., n:])``: Phi, StableLM,
+    Persimmon) and concatenates them back itself, else ``"head"`` (whole heads; the function passes the
+    rest through).  The stand-in probe checks the shapes the function then receives."""
     if cls in _input_cache:
         return _input_cache[cls]
     import ast
@@ -147,18 +168,10 @@ def rope_call_input(cls: type) -> str:
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                  and n.func.id == ROPE_FN and n.args]
         first = calls[0].args[0] if len(calls) == 1 else None
-        if isinstance(first, ast.Name):
-            for s in ast.walk(tree):
-                if not isinstance(s, ast.Assign):
-                    continue
-                for t in s.targets:
-                    names = [e for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
-                    if not any(isinstance(e, ast.Name) and e.id == first.id for e in names):
-                        continue
-                    vals = s.value.elts if isinstance(s.value, (ast.Tuple, ast.List)) else [s.value]
-                    v = vals[[getattr(e, "id", None) for e in names].index(first.id)] if len(vals) == len(names) else s.value
-                    if any(isinstance(n, ast.Slice) and n.upper is not None and n.lower is None for n in ast.walk(v)):
-                        out = "rotary"
+        if isinstance(first, ast.Name) and any(
+                isinstance(s, ast.Assign) and len(s.targets) == 1 and _split_at_rotary(s.value, first.id, s.targets[0])
+                for s in ast.walk(tree)):
+            out = "rotary"
     except Exception:  # noqa: BLE001 - no source: whole heads (the stand-in probe checks it)
         pass
     _input_cache[cls] = out
