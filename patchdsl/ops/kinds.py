@@ -580,7 +580,9 @@ def kind_misses(kind: str, children: tuple) -> str:
     its children look right: then its forward or sizes differ)."""
     ch = set(children)
     if kind == "Attention":
-        miss = [] if ch & {"o_proj", "dense", "out_proj"} else ["o_proj"]
+        other = sorted(ch & {"dense", "out_proj"})
+        miss = ([] if "o_proj" in ch else
+                [f"o_proj, nor a rotary embedding to go with its {other[0]}"] if other else ["o_proj"])
         if not ch & {"qkv_proj", "query_key_value"}:
             miss = [n for n in ("q_proj", "k_proj", "v_proj") if n not in ch] + miss
         return ", ".join(miss)
