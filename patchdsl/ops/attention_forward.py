@@ -452,10 +452,15 @@ def _stand_in(module: Any, facts: dict):
     d = int(facts["head_dim"])
     groups = max(1, int(facts["n_heads"]) // max(1, int(facts["n_kv_heads"])))
     n_kv = min(2, int(facts["n_kv_heads"]))
-    cfg.head_dim = d
+    try:
+        cfg.head_dim = d
+    except AttributeError:          # a read-only property (Falcon: hidden_size // heads): set by hidden_size below
+        pass
     cfg.num_key_value_heads = n_kv
     cfg.num_attention_heads = n_kv * groups
-    cfg.hidden_size = 32
+    # hidden = heads x head_dim: classes that size a norm or a projection by hidden_size where the output
+    # is heads x head_dim wide (BitNet's attn_sub_norm) or derive head_dim from it (Mllama) stay consistent
+    cfg.hidden_size = cfg.num_attention_heads * d
     cfg._attn_implementation = "eager"
     layer_idx = getattr(module, "layer_idx", 0) or 0
 
@@ -573,6 +578,8 @@ def _probe(module, facts, an, qk_ref, norm_fn=None, replacement_for=None) -> str
             start = 0
             for x, c, s_ in steps:
                 kw = {"position_embeddings": (c, s_), "attention_mask": None}
+                # other required parameters (Falcon's alibi: None when the model rotates) are None
+                kw.update({p: None for p in an.params[1:] if p not in kw and p not in (an.defaults or {})})
                 if an.cache_param is not None:
                     kw[an.cache_param] = cache
                 if takes_positions:      # Ministral 3 / Llama 4 scale queries by position

@@ -43,6 +43,7 @@ class RopeSwap:
     params: tuple[str, ...] = ()
     kwonly: tuple[str, ...] = ()
     cache_param: str | None = None
+    defaults: dict = field(default_factory=dict, hash=False)
     rope_cond: Any = None                # (the probe's per-layer key: the original decides itself)
 
 
@@ -106,7 +107,8 @@ def _analyse_swap(cls: type) -> "RopeSwap | str":
         return f"{name}.forward takes no position_embeddings (cos, sin) to rotate by"
     cache = next((n for n in SWAP_CACHE_NAMES if n in params + kwonly), None)
     del a
-    return RopeSwap(cls, tuple(chain), rope, rsig, params, kwonly, cache)
+    defaults = {p.name: p.default for p in ps if p.default is not inspect.Parameter.empty}
+    return RopeSwap(cls, tuple(chain), rope, rsig, params, kwonly, cache, None, defaults)
 
 
 def _has(cell) -> bool:
