@@ -189,3 +189,24 @@ def test_a_forward_that_calls_the_rotary_function_twice_is_refused():
 
     why = analyse_swap(Twice)
     assert isinstance(why, str) and "2 times" in why
+
+
+@pytest.mark.parametrize("op_name", ["fused_qk_norm_rope", "liger.rope"])
+def test_ops_that_compute_rotate_half_only_refuse_other_layouts(op_name):
+    """A Qwen3 attention (per-head q/k RMSNorms: fused_qk_norm_rope fits it) with an interleaved layout in
+    its facts: the rotate_half-only ops refuse it and point to fused_rope; with its own facts they do not."""
+    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.ops.registry import get_op
+
+    from .families import tiny_model
+
+    attn = tiny_model("qwen3").model.layers[0].self_attn
+    info = build_index(attn).infos[""]
+    f = dict(info.kinds["Attention"])
+    op = get_op(op_name)
+    inter = ModuleInfo(info.path, info.cls, info.bases, {"Attention": dict(f, rotary_layout="interleaved")},
+                       dtype=info.dtype, children=info.children)
+    why = op.check(attn, inter, op.default_flags())
+    assert why and "interleaved" in why and "use fused_rope" in why
+    if op_name == "fused_qk_norm_rope":
+        assert op.check(attn, info, op.default_flags()) is None
