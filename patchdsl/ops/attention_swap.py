@@ -44,7 +44,6 @@ class RopeSwap:
     kwonly: tuple[str, ...] = ()
     cache_param: str | None = None
     defaults: dict = field(default_factory=dict, hash=False)
-    rope_cond: Any = None                # (the probe's per-layer key: the original decides itself)
 
 
 def analyse_swap(cls: type) -> "RopeSwap | str":
@@ -98,7 +97,6 @@ def _analyse_swap(cls: type) -> "RopeSwap | str":
     rparams = list(rsig.parameters.values())
     if len(rparams) < 4 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in rparams[:4]):
         return f"{cls.__module__}.{ROPE_FN} does not take (q, k, cos, sin) first"
-    a = raw.__code__
     sig = inspect.signature(raw)
     ps = list(sig.parameters.values())[1:]
     params = tuple(p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
@@ -106,9 +104,8 @@ def _analyse_swap(cls: type) -> "RopeSwap | str":
     if "position_embeddings" not in params + kwonly:
         return f"{name}.forward takes no position_embeddings (cos, sin) to rotate by"
     cache = next((n for n in SWAP_CACHE_NAMES if n in params + kwonly), None)
-    del a
     defaults = {p.name: p.default for p in ps if p.default is not inspect.Parameter.empty}
-    return RopeSwap(cls, tuple(chain), rope, rsig, params, kwonly, cache, None, defaults)
+    return RopeSwap(cls, tuple(chain), rope, rsig, params, kwonly, cache, defaults)
 
 
 def _has(cell) -> bool:
