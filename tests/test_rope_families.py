@@ -210,3 +210,32 @@ def test_ops_that_compute_rotate_half_only_refuse_other_layouts(op_name):
     assert why and "interleaved" in why and "use fused_rope" in why
     if op_name == "fused_qk_norm_rope":
         assert op.check(attn, info, op.default_flags()) is None
+
+
+@pytest.mark.slow
+def test_swapped_forward_compiles_fullgraph():
+    """torch.compile(fullgraph=True) traces the recompiled forward (GPT-NeoX: query_key_value, partial rotary,
+    dense) as it traces the original, and matches eager; the kernel runs as its custom op."""
+    import patchdsl
+    from patchdsl.syntax import load_spec
+
+    m = _model("gpt_neox")
+    h = patchdsl.apply(load_spec("dtype fp32\n*: Attention -> fused_rope\n"), m)
+    assert not h.refused
+    ids = torch.randint(3, m.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+
+    def step(call):
+        m.zero_grad(set_to_none=True)
+        loss = call(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    le, ge = step(m)
+    torch._dynamo.reset()
+    try:
+        lc, gc = step(torch.compile(m, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+        h.undo()
+    assert torch.allclose(lc, le, rtol=1e-5) and gc.keys() == ge.keys()
+    assert all(torch.allclose(gc[n], ge[n], rtol=1e-4, atol=1e-6) for n in ge)

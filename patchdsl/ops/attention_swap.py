@@ -6,10 +6,11 @@ q/k transposes and norms around the kernel).  Forwards of other shapes, such as 
 slicing and concatenating (Phi, StableLM, Persimmon), a fused ``query_key_value`` split per head
 (GPT-NeoX, Persimmon), q/k norms under a config branch (Cohere's ``use_qk_norm``, StableLM's and
 Phi's ``qk_layernorm``), an output projection named ``dense``, run here as they are, with one
-change: the global name ``apply_rotary_pos_emb`` they call resolves to the fused kernel.  The
-function is rebuilt from the original's code object with a COPY of its module's globals in which that
-one name differs (decorators such as ``deprecate_kwarg`` are rebuilt around it), so nothing
-process-wide is rebound and other instances, other models and the modeling module keep the original.
+change: the name ``apply_rotary_pos_emb`` they call resolves to the fused kernel.  The forward's
+own source is compiled again with that one name read from a closure cell (the function keeps its
+module's globals, file and line numbers; decorators such as ``deprecate_kwarg`` are rebuilt around
+it), so nothing process-wide is rebound and other instances, other models and the modeling module
+keep the original.
 
 What the swapped-in function receives is checked on a CPU stand-in (:func:`probe_swap`): the original
 forward and the rebuilt one, with a plain-torch RoPE of the layout the model's own function computes,
@@ -82,6 +83,9 @@ def _analyse_swap(cls: type) -> "RopeSwap | str":
     if len(calls) != 1 or len(uses) != 1:
         return f"{name}.forward uses {ROPE_FN} {len(uses)} times (the fused kernel replaces exactly one call)"
     code = raw.__code__
+    if code.co_freevars:
+        return (f"{name}.forward reads variables of an enclosing scope ({', '.join(code.co_freevars)}, e.g. "
+                f"super()), which a recompiled forward would not see")
     if ROPE_FN not in code.co_names or ROPE_FN in code.co_varnames or ROPE_FN in code.co_freevars:
         return f"{name}.forward does not read {ROPE_FN} as a module global"
     rope = raw.__globals__.get(ROPE_FN)
@@ -145,13 +149,19 @@ def rope_caller(sw: RopeSwap, fused: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
+_CELL = "__patchdsl_rope__"
+
+
 def build_swapped_forward(sw: RopeSwap, fused: Callable) -> Callable:
     """The class's own forward (and its decorators), its ``apply_rotary_pos_emb`` resolved to
-    :func:`rope_caller` ``(sw, fused)``."""
+    :func:`rope_caller` ``(sw, fused)``.
+
+    The forward's own source is compiled again with that one name read from a closure cell instead of
+    the module's globals; the function keeps the modeling module's globals dict itself (nothing in it
+    is written) and its file and line numbers, so tracebacks point into the modeling file and
+    torch.compile (which finds a function's globals through its module) traces it as the original."""
     raw = sw.chain[-1]
-    g = dict(raw.__globals__)           # a copy: the modeling module's own globals are not touched
-    g[ROPE_FN] = rope_caller(sw, fused)
-    new = _clone(raw, g, raw.__closure__)
+    new = _recompiled(raw, rope_caller(sw, fused))
     for outer, inner in zip(reversed(sw.chain[:-1]), reversed(sw.chain[1:])):
         cells = tuple(types.CellType(new) if _has(c) and c.cell_contents is inner else c
                       for c in outer.__closure__)
@@ -159,6 +169,29 @@ def build_swapped_forward(sw: RopeSwap, fused: Callable) -> Callable:
         wrapped.__wrapped__ = new
         new = wrapped
     return new
+
+
+def _recompiled(raw: types.FunctionType, rope: Callable) -> types.FunctionType:
+    src = textwrap.dedent(inspect.getsource(raw))
+    fn = ast.parse(src).body[0]
+    fn.decorator_list = []
+
+    class _Swap(ast.NodeTransformer):
+        def visit_Name(self, node):
+            return ast.copy_location(ast.Name(_CELL, node.ctx), node) if node.id == ROPE_FN else node
+
+    fn = _Swap().visit(fn)
+    maker = ast.parse(f"def __patchdsl_make({_CELL}):\n    pass\n")
+    maker.body[0].body = [fn, ast.Return(ast.Name(fn.name, ast.Load()))]
+    ast.fix_missing_locations(maker)
+    ast.increment_lineno(maker, raw.__code__.co_firstlineno - 1)
+    code = compile(maker, raw.__code__.co_filename, "exec")
+    ns: dict[str, Any] = {}
+    exec(code, raw.__globals__, ns)  # noqa: S102 - the class's own forward source; defines one function in ns
+    out = ns["__patchdsl_make"](rope)
+    out.__qualname__ = raw.__qualname__
+    out.__doc__ = raw.__doc__
+    return out
 
 
 def _clone(fn: types.FunctionType, globs: dict, closure) -> types.FunctionType:
