@@ -458,8 +458,8 @@ def _stand_in(module: Any, facts: dict):
         pass
     cfg.num_key_value_heads = n_kv
     cfg.num_attention_heads = n_kv * groups
-    # hidden = heads x head_dim: classes that size a norm or a projection by hidden_size where the output
-    # is heads x head_dim wide (BitNet's attn_sub_norm) or derive head_dim from it (Mllama) stay consistent
+    # hidden = heads x head_dim: classes that derive head_dim from hidden_size / heads (Mllama, GPT-NeoX, Phi)
+    # or size a norm by hidden_size where the output is heads x head_dim wide (BitNet's attn_sub_norm) agree
     cfg.hidden_size = cfg.num_attention_heads * d
     cfg._attn_implementation = "eager"
     layer_idx = getattr(module, "layer_idx", 0) or 0
@@ -473,11 +473,6 @@ def _stand_in(module: Any, facts: dict):
 
     with torch.random.fork_rng(devices=[]):
         stand = make()
-        own = getattr(stand, "head_dim", None) or getattr(stand, "head_size", None)
-        if isinstance(own, int) and own != d:
-            # the class derives head_dim from hidden_size / heads (Mllama, GPT-NeoX, Phi): widen hidden_size
-            cfg.hidden_size = cfg.num_attention_heads * d
-            stand = make()
         stand = stand.to_empty(device="cpu").float().eval()
         g = torch.Generator().manual_seed(1234)
         with torch.no_grad():

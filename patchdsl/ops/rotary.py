@@ -178,12 +178,18 @@ def rope_call_input(cls: type) -> str:
     return out
 
 
+_calls_cache: dict[type, bool] = {}
+
+
 def calls_rope_function(cls: type) -> bool:
-    try:
-        src, _ = _forward_tree(cls)
-    except Exception:  # noqa: BLE001
-        return False
-    return f"{ROPE_FN}(" in src
+    """Whether ``cls.forward``'s source calls ``apply_rotary_pos_emb`` (cached per class)."""
+    if cls not in _calls_cache:
+        try:
+            src, _ = _forward_tree(cls)
+            _calls_cache[cls] = f"{ROPE_FN}(" in src
+        except Exception:  # noqa: BLE001 - no source: no rotary call to fuse
+            _calls_cache[cls] = False
+    return _calls_cache[cls]
 
 
 def attention_facts(m: Any, rmsnorm: Callable, linear_like: Callable) -> dict | None:
