@@ -98,6 +98,7 @@ def test_suggested_spec_patches_attention_and_verifies(family):
     ("stablelm", {"qk_layernorm": True}),         # a LayerNorm per head under 'if self.qk_layernorm'
     ("phi", {"qk_layernorm": True}),
     ("glm", {}), ("cohere2", {}), ("mllama", {}), ("qwen3_5_text", {}),
+    ("falcon", {}),                               # multi-query query_key_value (1 kv head), a required alibi=None
 ])
 def test_branch_norms_and_other_shapes_verify(family, over):
     from patchdsl.parity import verify

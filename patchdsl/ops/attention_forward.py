@@ -563,34 +563,48 @@ def _probe(module, facts, an, qk_ref, norm_fn=None, replacement_for=None) -> str
     fn = replacement_for(stand) if replacement_for is not None else build_forward(an, qk_ref, norm_fn)
     replacement = types.MethodType(fn, stand)
     original = types.MethodType(an.cls.forward, stand)
-    caches = []
-    results = []
     takes_positions = "position_ids" in an.params + an.kwonly
-    with torch.no_grad():
-        for fwd in (original, replacement):
-            cache = DynamicCache() if DynamicCache is not None else None
-            outs = []
-            start = 0
-            for x, c, s_ in steps:
-                kw = {"position_embeddings": (c, s_), "attention_mask": None}
-                # other required parameters (Falcon's alibi: None when the model rotates) are None
-                kw.update({p: None for p in an.params[1:] if p not in kw and p not in (an.defaults or {})})
-                if an.cache_param is not None:
-                    kw[an.cache_param] = cache
-                if takes_positions:      # Ministral 3 / Llama 4 scale queries by position
-                    kw["position_ids"] = torch.arange(start, start + x.shape[1])[None].expand(x.shape[0], -1)
-                start += x.shape[1]
-                if fwd is original:
-                    try:
+
+    def run(zero_mask: bool):
+        caches, results = [], []
+        with torch.no_grad():
+            for fwd in (original, replacement):
+                cache = DynamicCache() if DynamicCache is not None else None
+                outs = []
+                start = 0
+                for x, c, s_ in steps:
+                    kw = {"position_embeddings": (c, s_), "attention_mask": None}
+                    if zero_mask:      # an additive mask that masks nothing (Falcon adds the mask unconditionally)
+                        kw["attention_mask"] = torch.zeros(x.shape[0], 1, x.shape[1], start + x.shape[1])
+                    # other required parameters (Falcon's alibi: None when the model rotates) are None
+                    kw.update({p: None for p in an.params[1:] if p not in kw and p not in (an.defaults or {})})
+                    if an.cache_param is not None:
+                        kw[an.cache_param] = cache
+                    if takes_positions:      # Ministral 3 / Llama 4 scale queries by position
+                        kw["position_ids"] = torch.arange(start, start + x.shape[1])[None].expand(x.shape[0], -1)
+                    start += x.shape[1]
+                    if fwd is original:
+                        try:
+                            outs.append(fwd(x, **kw))
+                        except (RuntimeError, ValueError, IndexError) as e:
+                            return (f"{an.cls.__name__}.forward itself rejects q/k rotated by cos/sin of shape "
+                                    f"(batch, seq, rotary_dim={r}) on a stand-in ({type(e).__name__}: {str(e)[:90]}): "
+                                    f"its rotary embedding has a layout fused_rope does not compute")
+                    else:
                         outs.append(fwd(x, **kw))
-                    except (RuntimeError, ValueError, IndexError) as e:
-                        return (f"{an.cls.__name__}.forward itself rejects q/k rotated by cos/sin of shape "
-                                f"(batch, seq, rotary_dim={r}) on a stand-in ({type(e).__name__}: {str(e)[:90]}): "
-                                f"its rotary embedding has a layout fused_rope does not compute")
-                else:
-                    outs.append(fwd(x, **kw))
-            results.append(outs)
-            caches.append(cache)
+                results.append(outs)
+                caches.append(cache)
+        return results, caches
+
+    try:
+        out = run(False)
+    except TypeError as e:
+        if "NoneType" not in str(e):
+            raise
+        out = run(True)          # the forward needs an attention mask
+    if isinstance(out, str):
+        return out
+    results, caches = out
     for step, (o, n) in enumerate(zip(*results)):
         if not isinstance(o, tuple) or not isinstance(n, tuple) or len(o) != len(n):
             return f"{an.cls.__name__}.forward returns something other than (attn_output, attn_weights)"

@@ -27,7 +27,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .rotary import ROPE_FN, reference_rotary
+from .rotary import FUSED_QKV_NAMES, ROPE_FN, fused_kv_heads, reference_rotary
 
 SWAP_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 _swap_cache: dict[type, "RopeSwap | str"] = {}
@@ -249,8 +249,12 @@ def probe_swap(module: Any, facts: dict, sw: RopeSwap) -> str | None:
         nq = int(stand.config.num_attention_heads)
         nk = int(getattr(stand.config, "num_key_value_heads", None) or nq)
         kp = linear_like(getattr(stand, "k_proj", None))
+        fused = next((linear_like(getattr(stand, n, None)) for n in FUSED_QKV_NAMES
+                      if linear_like(getattr(stand, n, None)) is not None), None)
         if kp is not None and kp.out_features % d == 0:
             nk = kp.out_features // d           # the stand-in layer's own (as the facts read the module's)
+        elif kp is None and fused is not None:
+            nk = fused_kv_heads(fused.out_features, d, nq) or nk
         return nq, nk, dim, r
 
     def replacement_for(stand):

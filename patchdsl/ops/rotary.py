@@ -192,6 +192,15 @@ def calls_rope_function(cls: type) -> bool:
     return _calls_cache[cls]
 
 
+def fused_kv_heads(width: int, head_dim: int, n_heads: int) -> int | None:
+    """The kv heads of a fused q/k/v projection ``width`` = (heads + 2 x kv heads) x head_dim wide (Falcon's
+    multi-query ``query_key_value`` has one), or None when the width is not of that form."""
+    if width % head_dim:
+        return None
+    rest = width // head_dim - n_heads
+    return rest // 2 if rest > 0 and rest % 2 == 0 else None
+
+
 def attention_facts(m: Any, rmsnorm: Callable, linear_like: Callable) -> dict | None:
     """The ``Attention`` kind's facts (see kinds.attention)."""
     cfg = getattr(m, "config", None)
@@ -209,6 +218,8 @@ def attention_facts(m: Any, rmsnorm: Callable, linear_like: Callable) -> dict | 
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     if k is not None and isinstance(head_dim, int) and head_dim and k.out_features % head_dim == 0:
         n_kv = k.out_features // head_dim      # this layer's own (MiMo-V2's sliding layers have more kv heads)
+    elif k is None and qkv_name is not None and isinstance(head_dim, int) and head_dim and isinstance(n_heads, int):
+        n_kv = fused_kv_heads(linear_like(getattr(m, qkv_name)).out_features, head_dim, n_heads) or n_kv
     if not isinstance(head_dim, int) or not isinstance(n_heads, int) or not head_dim or not n_heads:
         return None
     lay = rope_function_layout(rope_function(type(m))) if calls_rope_function(type(m)) else None
