@@ -30,7 +30,8 @@
 # --spec bench/specs/llama_fp8.kpatch" gives e2e_llama the fp8 row too), compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
 # (regional) vs patchdsl.compile_model (whole) vs plain torch.compile of the patched model, each in its own process;
 # COMPILE_VARIANTS picks rows, e.g. COMPILE_VARIANTS=compile T_COMPILE_PERF=300 T_VARIANT=280 for torch.compile alone),
-# moe (150 s; bench/moe_bench.py: experts fwd+bwd at the Qwen3-30B-A3B layer shape, patchdsl vs
+# rope_layouts (90 s; tests/kernels/test_rope_layouts.py on the GPU: the rotary layouts of issue 25 at real sizes;
+# pass = "N passed", no failure), moe (150 s; bench/moe_bench.py: experts fwd+bwd at the Qwen3-30B-A3B layer shape, patchdsl vs
 # grouped_mm / batched_mm / Liger / matmul floor, then a 4-layer Qwen3-30B-A3B-shaped model 4x2048 default vs patchdsl vs Liger,
 # each in its own process; moe.json / moe.txt),
 # mlp (90 s; bench/mlp_bench.py: fused_mlp on StarCoder2-3B's and Minitron-4B's plain MLPs, bf16, 8x2048 tokens: fwd+bwd
@@ -76,7 +77,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="e2e_8b moe moe_router mlp compile_perf verify_scale vlm_verify convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="e2e_8b moe moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -168,6 +169,7 @@ for part in $PARTS; do
     moe) lim=$(limit moe 150) ;;
     mlp) lim=$(limit mlp 90) ;;
     moe_router) lim=$(limit moe_router 60) ;;
+    rope_layouts) lim=$(limit rope_layouts 90) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -327,6 +329,13 @@ for part in $PARTS; do
       [ -f "$WORK/vlm_verify/vlm_verify.txt" ] && cat "$WORK/vlm_verify/vlm_verify.txt" >>"$WORK/summary.parts"
       v=$(grep -E "^vlm_verify: " "$LOG" | tail -n 1)
       status+=("${v:-vlm_verify: no verdict line}")
+      ;;
+    rope_layouts)   # issue 25: fused_rope's rotary layouts (rotate_half, interleaved, GLM's half-width cos), full and
+      # partial rotary, fwd + bwd vs float64 at GLM-4-9B / Command-R / StableLM sizes, compiled for this GPU
+      mkdir -p "$WORK/rope_layouts"
+      run_part rope_layouts "$lim" python3 -m pytest tests/kernels/test_rope_layouts.py -q -rfE --tb=short \
+        -p no:cacheprovider --junitxml "$WORK/rope_layouts/junit.xml"
+      status+=("rope_layouts: $(grep -E '[0-9]+ (passed|failed|error)' "$LOG" | tail -n 1)")
       ;;
     moe)   # mixture of experts (issue 24): the experts op and a 4-layer Qwen3-30B-A3B-shaped model
       mkdir -p "$WORK/moe"

@@ -117,6 +117,11 @@ def describe(kind: str, f: Mapping[str, Any]) -> str:
              f"rotary={f.get('rotary_dim')}")
         if f.get("rotary_layout"):
             s += f" layout={f['rotary_layout']}"
+        if f.get("rope_input") == "rotary":
+            s += " rotary-split"            # the forward splits q/k at rotary_dim itself (Phi, StableLM)
+        for n in ("qkv_proj", "out_proj"):
+            if f.get(n):
+                s += f" {n}={f[n]}"
         if f.get("fused_qkv"):
             s += " qkv-fused"
         qn = f.get("qk_norm")

@@ -81,7 +81,7 @@ def test_inspect_folds_layers_and_states_facts():
     line = next(ln for ln in text.splitlines() if ln.startswith("model.layers.{0..2}.mlp "))
     assert "SwiGLU" in line and "hidden=64 inter=96 silu" in line
     qn = next(ln for ln in text.splitlines() if ln.startswith("model.layers.{0..2}.self_attn "))
-    assert "heads=4 kv=2 head_dim=16 rotary=16 qk_norm(eps=1e-06 offset=0)" in qn
+    assert "heads=4 kv=2 head_dim=16 rotary=16 layout=rotate_half qk_norm(eps=1e-06 offset=0)" in qn
     assert any(ln.startswith("lm_head ") for ln in text.splitlines())
     # no Linear projections by default; every module with --all, one row per module unfolded
     assert "q_proj" not in text
@@ -130,9 +130,10 @@ def test_suggestion_patches_what_the_shipped_spec_patches(family):
     ("olmo2", {}),                      # q/k norms over the whole projection: fused_rope calls them so
     ("smollm3", {}),                    # NoPE layers: the rotation only where the model rotates
     ("nemotron", {}),                   # LayerNorm1P: fused_layernorm with offset 1; relu2 MLP: fused_mlp
-    ("gpt_neox", {"attention": "not q/k/v_proj", "loss": "no causal LM holds"}),
+    ("gpt_neox", {"loss": "no causal LM holds"}),   # query_key_value, dense, partial rotary: fused_rope; MLP: fused_mlp
     ("apertus", {"mlp": "its activation XIELUActivation is none of the activations fused_mlp computes"}),
-    ("glm4", {"attention": "does not reproduce Glm4Attention.forward"}),
+    ("glm4", {}),                       # interleaved partial rotary: fused_rope
+    ("gpt_oss", {"attention": "computes none of the rotary layouts"}),
 ])
 def test_suggestion_lists_each_unpatched_module_with_its_reason(family, unpatched):
     m = _family_model(family)
@@ -158,7 +159,7 @@ def test_suggestion_lists_each_unpatched_module_with_its_reason(family, unpatche
 
 
 def test_suggestion_does_not_point_to_an_op_that_refuses_too():
-    s = suggest(_family_model("glm4"))
+    s = suggest(_family_model("gpt_oss"))
     why = next(w for q, w in s.unpatched.items() if s.concern_of[q] == "attention")
     assert "(use fused_rope)" not in why and why.startswith("fused_rope:")
 
@@ -211,8 +212,9 @@ def test_cli_suggest_bad_model_is_exit_2():
 @pytest.mark.parametrize("family,rule,want,not_want", [
     ("gpt_neox", "lm_head: Linear -> fused_linear_cross_entropy",
      "GPTNeoXForCausalLM is not recognised as a causal LM", "select it alone"),
-    ("gpt_neox", "*.attention: Attention -> fused_rope", "GPTNeoXAttention has no q_proj, k_proj, v_proj, o_proj", None),
-    ("phi", "*.self_attn: Attention -> fused_rope", "PhiAttention has no o_proj", None),
+    ("gpt2", "*.attn: Attention -> fused_rope", "GPT2Attention has no q_proj, k_proj, v_proj, o_proj", None),
+    ("opt", "*.self_attn: Attention -> fused_rope",
+     "OPTAttention has no o_proj, nor a rotary embedding to go with its out_proj", None),
     ("nemotron", "*.mlp: SwiGLU -> fused_swiglu", "those modules are: MLP (ops for them: fused_mlp)", None),
     ("bloom", "*.mlp: MLP -> fused_mlp", "BloomMLP", None),
     ("llama", "*.q_proj: Linear -> fused_linear_cross_entropy", "select it alone: 'lm_head: Linear", None),

@@ -37,6 +37,7 @@ CLOSED_SETS: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES, "w_dtype": DTYPES, "target": ("cuda", "interpreter"), "casting": ("llama", "gemma"),
     "dw_reduce": ("kernel", "atomic"), "dw_zero": ("fill", "forward"), "glu_layout": ("rows", "flat"),
     "fwd_layout": ("per_token", "block"), "bwd_layout": ("per_token", "block"),
+    "rotary_layout": ("rotate_half", "interleaved", "interleaved_half_cos"),
 }
 
 

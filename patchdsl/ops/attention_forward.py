@@ -452,29 +452,27 @@ def _stand_in(module: Any, facts: dict):
     d = int(facts["head_dim"])
     groups = max(1, int(facts["n_heads"]) // max(1, int(facts["n_kv_heads"])))
     n_kv = min(2, int(facts["n_kv_heads"]))
-    cfg.head_dim = d
+    try:
+        cfg.head_dim = d
+    except AttributeError:          # a read-only property (Falcon: hidden_size // heads): set by hidden_size below
+        pass
     cfg.num_key_value_heads = n_kv
     cfg.num_attention_heads = n_kv * groups
-    cfg.hidden_size = 32
+    # hidden = heads x head_dim: classes that derive head_dim from hidden_size / heads (Mllama, GPT-NeoX, Phi)
+    # or size a norm by hidden_size where the output is heads x head_dim wide (BitNet's attn_sub_norm) agree
+    cfg.hidden_size = cfg.num_attention_heads * d
     cfg._attn_implementation = "eager"
     layer_idx = getattr(module, "layer_idx", 0) or 0
-    def make():
-        try:
-            return type(module)(cfg, layer_idx)
-        except TypeError:
-            return type(module)(cfg)
 
-    with torch.random.fork_rng(devices=[]):
+    def make():
         with torch.device("meta"):
             try:
-                stand = make()
-            except ValueError:       # "hidden_size must be divisible by num_heads" (Qwen2.5-VL's check)
-                stand = None
-            if stand is None or getattr(stand, "head_dim", d) != d:
-                # a class that derives head_dim from hidden_size / heads (Qwen2.5-VL's text attention):
-                # the stand-in's residual width is heads x head_dim
-                cfg.hidden_size = cfg.num_attention_heads * d
-                stand = make()
+                return type(module)(cfg, layer_idx)
+            except TypeError:
+                return type(module)(cfg)
+
+    with torch.random.fork_rng(devices=[]):
+        stand = make()
         stand = stand.to_empty(device="cpu").float().eval()
         g = torch.Generator().manual_seed(1234)
         with torch.no_grad():
@@ -542,7 +540,8 @@ def layout_reason(module: Any, facts: dict, an: AttentionAnalysis) -> str | None
     return None
 
 
-def _probe(module, facts, an, qk_ref, norm_fn=None) -> str | None:
+def _probe(module, facts, an, qk_ref, norm_fn=None, replacement_for=None) -> str | None:
+    """``replacement_for(stand)``: the replacement forward to compare (default: build_forward's)."""
     import torch
 
     try:
@@ -561,32 +560,51 @@ def _probe(module, facts, an, qk_ref, norm_fn=None) -> str | None:
         x = torch.randn(2, s, hid, generator=g)
         ang = torch.randn(1, s, r, generator=g) * 2
         steps.append((x, ang.cos(), ang.sin()))
-    replacement = types.MethodType(build_forward(an, qk_ref, norm_fn), stand)
+    fn = replacement_for(stand) if replacement_for is not None else build_forward(an, qk_ref, norm_fn)
+    replacement = types.MethodType(fn, stand)
     original = types.MethodType(an.cls.forward, stand)
-    caches = []
-    results = []
     takes_positions = "position_ids" in an.params + an.kwonly
-    with torch.no_grad():
-        for fwd in (original, replacement):
-            cache = DynamicCache() if DynamicCache is not None else None
-            outs = []
-            start = 0
-            for x, c, s_ in steps:
-                kw = {"position_embeddings": (c, s_), "attention_mask": None, an.cache_param: cache}
-                if takes_positions:      # Ministral 3 / Llama 4 scale queries by position
-                    kw["position_ids"] = torch.arange(start, start + x.shape[1])[None].expand(x.shape[0], -1)
-                start += x.shape[1]
-                if fwd is original:
-                    try:
+
+    def run(zero_mask: bool):
+        caches, results = [], []
+        with torch.no_grad():
+            for fwd in (original, replacement):
+                cache = DynamicCache() if DynamicCache is not None else None
+                outs = []
+                start = 0
+                for x, c, s_ in steps:
+                    kw = {"position_embeddings": (c, s_), "attention_mask": None}
+                    if zero_mask:      # an additive mask that masks nothing (Falcon adds the mask unconditionally)
+                        kw["attention_mask"] = torch.zeros(x.shape[0], 1, x.shape[1], start + x.shape[1])
+                    # other required parameters (Falcon's alibi: None when the model rotates) are None
+                    kw.update({p: None for p in an.params[1:] if p not in kw and p not in (an.defaults or {})})
+                    if an.cache_param is not None:
+                        kw[an.cache_param] = cache
+                    if takes_positions:      # Ministral 3 / Llama 4 scale queries by position
+                        kw["position_ids"] = torch.arange(start, start + x.shape[1])[None].expand(x.shape[0], -1)
+                    start += x.shape[1]
+                    if fwd is original:
+                        try:
+                            outs.append(fwd(x, **kw))
+                        except (RuntimeError, ValueError, IndexError) as e:
+                            return (f"{an.cls.__name__}.forward itself rejects q/k rotated by cos/sin of shape "
+                                    f"(batch, seq, rotary_dim={r}) on a stand-in ({type(e).__name__}: {str(e)[:90]}): "
+                                    f"its rotary embedding has a layout fused_rope does not compute")
+                    else:
                         outs.append(fwd(x, **kw))
-                    except (RuntimeError, ValueError, IndexError) as e:
-                        return (f"{an.cls.__name__}.forward itself rejects q/k rotated by cos/sin of shape "
-                                f"(batch, seq, rotary_dim={r}) on a stand-in ({type(e).__name__}: {str(e)[:90]}): "
-                                f"its rotary embedding has a layout fused_rope does not compute")
-                else:
-                    outs.append(fwd(x, **kw))
-            results.append(outs)
-            caches.append(cache)
+                results.append(outs)
+                caches.append(cache)
+        return results, caches
+
+    try:
+        out = run(False)
+    except TypeError as e:
+        if "NoneType" not in str(e):
+            raise
+        out = run(True)          # the forward needs an attention mask
+    if isinstance(out, str):
+        return out
+    results, caches = out
     for step, (o, n) in enumerate(zip(*results)):
         if not isinstance(o, tuple) or not isinstance(n, tuple) or len(o) != len(n):
             return f"{an.cls.__name__}.forward returns something other than (attn_output, attn_weights)"

@@ -364,34 +364,12 @@ def plain_mlp(m: Any) -> dict | None:
     return mlp_probe(m)[0]
 
 
-@kind("Attention", "q/k/v/o projections (or fused qkv) with rotary embeddings, optional q_norm/k_norm")
+@kind("Attention", "q/k/v projections (or fused qkv_proj / query_key_value) and an output projection "
+      "(o_proj, dense or out_proj) with rotary embeddings (layout probed), optional q_norm/k_norm")
 def attention(m: Any) -> dict | None:
-    cfg = getattr(m, "config", None)
-    o = linear_like(getattr(m, "o_proj", None))
-    if o is None or cfg is None:
-        return None
-    q, k, v = (linear_like(getattr(m, n, None)) for n in ("q_proj", "k_proj", "v_proj"))
-    qkv = linear_like(getattr(m, "qkv_proj", None))
-    if not (q is not None and k is not None and v is not None) and qkv is None:
-        return None
-    head_dim = getattr(m, "head_dim", None) or getattr(cfg, "head_dim", None)
-    n_heads = getattr(cfg, "num_attention_heads", None)
-    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-    if not head_dim or not n_heads:
-        return None
-    facts: dict[str, Any] = {"head_dim": int(head_dim), "n_heads": int(n_heads), "n_kv_heads": int(n_kv),
-                             "fused_qkv": qkv is not None}
-    rope_params = getattr(cfg, "rope_parameters", None) or {}
-    prf = getattr(cfg, "partial_rotary_factor", None)
-    if prf is None and isinstance(rope_params, dict):
-        prf = rope_params.get("partial_rotary_factor")
-    facts["rotary_dim"] = int(int(head_dim) * float(prf if prf is not None else 1.0))
-    qn, kn = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
-    if qn is not None and kn is not None:
-        fq, fk = rmsnorm(qn), rmsnorm(kn)
-        if fq and fk and fq["hidden"] == head_dim and fk["hidden"] == head_dim:
-            facts["qk_norm"] = {"eps": fq["eps"], "offset": fq["offset"], "casting": fq["casting"]}
-    return facts
+    from .rotary import attention_facts      # projection names, rotary layout and input (issue 25)
+
+    return attention_facts(m, rmsnorm, linear_like)
 
 
 @kind("CausalLM", "a causal LM head model: self.model, self.lm_head and a loss_function")
@@ -842,7 +820,8 @@ KIND_NEEDS = {
     "MLP": ("an up/down projection pair (up_proj/down_proj, fc1/fc2, c_fc/c_proj, dense_h_to_4h/dense_4h_to_h, "
             "linear_fc1/linear_fc2, lin1/lin2, ..., or nn.Sequential(Linear, act, Linear)), no gate_proj, and a "
             "forward equal to down(act(up(x)))"),
-    "Attention": "children q_proj, k_proj, v_proj (or qkv_proj) and o_proj, a config, head_dim and head counts",
+    "Attention": ("children q_proj, k_proj, v_proj (or qkv_proj / query_key_value) and o_proj (or dense / out_proj "
+                  "with a rotary embedding), a config, head_dim and head counts"),
     "CausalLM": "attributes model (the base model), lm_head and config",
     "DecoderLayer": "children input_layernorm, self_attn, post_attention_layernorm and mlp",
 }
@@ -853,8 +832,10 @@ def kind_misses(kind: str, children: tuple) -> str:
     its children look right: then its forward or sizes differ)."""
     ch = set(children)
     if kind == "Attention":
-        miss = [n for n in ("o_proj",) if n not in ch]
-        if "qkv_proj" not in ch:
+        other = sorted(ch & {"dense", "out_proj"})
+        miss = ([] if "o_proj" in ch else
+                [f"o_proj, nor a rotary embedding to go with its {other[0]}"] if other else ["o_proj"])
+        if not ch & {"qkv_proj", "query_key_value"}:
             miss = [n for n in ("q_proj", "k_proj", "v_proj") if n not in ch] + miss
         return ", ".join(miss)
     if kind in ("SwiGLU", "GeGLU"):

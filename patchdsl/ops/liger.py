@@ -189,6 +189,13 @@ class LigerRope(LigerOp, FusedRope):
            "(projections, q/k norms, KV cache and attention interface kept); needs a CUDA GPU.")
     flags = ()
 
+    def check(self, module, info, flags):
+        f = info.facts("Attention")
+        if f and (f.get("rotary_layout", "rotate_half") != "rotate_half" or f.get("rope_input") == "rotary"):
+            return ("Liger's RoPE computes rotate_half on whole heads; this attention's rotary layout is "
+                    f"{f.get('rotary_layout')} (rotary input: {f.get('rope_input')}) (use fused_rope)")
+        return super().check(module, info, flags)
+
 
 class LigerCrossEntropy(LigerOp, FusedCrossEntropy):
     name = "liger.cross_entropy"

@@ -132,6 +132,9 @@ class FusedQKNormRope(Op):
             return reason
         if "qk_norm" not in f:
             return "no q_norm/k_norm RMSNorms over head_dim to fuse (use fused_rope)"
+        if f.get("rotary_layout", "rotate_half") != "rotate_half":
+            return (f"its rotary layout is {f['rotary_layout']}; fused_qk_norm_rope computes the rotate_half "
+                    f"layout only (use fused_rope)")
         an = analyse(type(module))
         if isinstance(an, str):
             return an

@@ -1,4 +1,4 @@
-"""fused_rope: HF's rotate_half RoPE of q and k in one launch (any GQA head counts, partial rotary).
+"""fused_rope: RoPE of q and k in one launch (rotate_half or interleaved pairs, any GQA head counts, partial rotary).
 
 The op replaces the ATTENTION module's forward (see :mod:`patchdsl.ops.attention_forward`):
 the projections run through the projection modules, q_norm/k_norm (Qwen3, Gemma3) are called as
@@ -114,60 +114,108 @@ ROPE_FLAGS = (
 )
 
 
+def kernel_facts(f: Mapping[str, Any]) -> dict[str, Any]:
+    """The Attention facts as the fused_rope kernel sees them: where the model slices q/k to the rotary
+    dims before calling apply_rotary_pos_emb (Phi, StableLM, Persimmon), the kernel's heads are
+    rotary_dim wide (no pass-through: the model concatenates the rest back itself)."""
+    f = dict(f)
+    if f.get("rope_input") == "rotary":
+        f["head_dim"] = f["rotary_dim"]
+    return f
+
+
+def rope_route(module: Any, f: Mapping[str, Any]):
+    """How fused_rope patches ``module``: ``("rebuild", analysis, norm scope)`` (the forward rebuilt
+    around the kernel, attention_forward), ``("swap", RopeSwap)`` (the original forward with its
+    apply_rotary_pos_emb resolved to the kernel, attention_swap), or a refusal reason (str)."""
+    from .attention_forward import analyse, probe
+    from .attention_swap import analyse_swap, probe_swap
+    from .rotary import reference_rotary
+
+    layout = f.get("rotary_layout", "rotate_half")
+    an = analyse(type(module))
+    first = an if isinstance(an, str) else None
+    if first is None:
+        scope = norm_scope(module, f) if an.qk_norm else None
+        if an.qk_norm and scope is None:
+            first = ("its q_norm/k_norm normalise neither each head (head_dim) nor the whole q/k projection "
+                     "(heads x head_dim), so the replacement cannot call them")
+            from .kinds import unwrap
+            if all(getattr(getattr(unwrap(getattr(module, n, None)), "weight", None), "dim", lambda: 0)() == 1
+                   for n in ("q_norm", "k_norm")):
+                return first        # weights of another width: this module's own structure is inconsistent
+        else:
+            def qk_ref(self, q, k, cos, sin):
+                if an.qk_norm:
+                    q, k = apply_qk_norms(self, q, k, scope)
+                return reference_rotary(q, k, cos, sin, layout)
+
+            first = probe(module, dict(f), an, qk_ref, f"rope_{layout}",
+                          lambda self, q, k: apply_qk_norms(self, q, k, scope) if an.qk_norm else (q, k))
+            if first is None:
+                return ("rebuild", an, scope)
+    sw = analyse_swap(type(module))
+    if isinstance(sw, str):
+        return first
+    why = probe_swap(module, dict(f), sw)
+    return ("swap", sw) if why is None else why
+
+
 class FusedRope(Op):
     name = "fused_rope"
     kinds = ("Attention",)
     template = "fused_rope.py.j2"
-    doc = ("RoPE (HF rotate_half, partial rotary) of q and k in one launch, forward and backward; "
-           "replaces the attention forward, keeping projections, q/k norms, KV cache and attention interface.")
+    doc = ("RoPE of q and k in one launch, forward and backward: rotate_half (Llama), interleaved pairs "
+           "(Cohere; GLM's half-width cos), partial rotary; replaces the attention forward, keeping "
+           "projections, q/k norms, KV cache and attention interface (or runs the model's own forward "
+           "with its apply_rotary_pos_emb resolved to the kernel: Phi, GPT-NeoX, StableLM, Persimmon).")
     flags = ROPE_FLAGS
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
-        g = rope_geometry(info.facts("Attention"), flags, target)
+        f = info.facts("Attention")
+        g = rope_geometry(kernel_facts(f), flags, target)
+        layout = f.get("rotary_layout", "rotate_half")
         tag = f"d{g['head_dim']}_r{g['rotary_dim']}_q{g['n_q_heads']}k{g['n_kv_heads']}"
-        return {"dtype": dtype, **g, "target": target, "tag": tag}
+        if layout != "rotate_half":
+            tag += "_" + layout
+        return {"dtype": dtype, **g, "rotary_layout": layout, "target": target, "tag": tag}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         return f"{self.name}_{params['dtype']}_{params['tag']}_{params['target']}"
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .attention_forward import analyse, probe, reference_rope
-
         f = info.facts("Attention")
         reason = attention_reason(f)
         if reason:
             return reason
-        an = analyse(type(module))
-        if isinstance(an, str):
-            return an
-        scope = norm_scope(module, f) if an.qk_norm else None
-        if an.qk_norm and scope is None:
-            return ("its q_norm/k_norm normalise neither each head (head_dim) nor the whole q/k projection "
-                    "(heads x head_dim), so the replacement cannot call them")
-
-        def qk_ref(self, q, k, cos, sin):
-            if an.qk_norm:
-                q, k = apply_qk_norms(self, q, k, scope)
-            return reference_rope(q, k, cos, sin)
-
-        return probe(module, dict(f), an, qk_ref, "rope",
-                     lambda self, q, k: apply_qk_norms(self, q, k, scope) if an.qk_norm else (q, k))
+        route = rope_route(module, f)
+        return route if isinstance(route, str) else None
 
     def make_forward(self, module, kernels, flags, info):
-        from .attention_forward import analyse, build_forward, reference_rope
+        from .attention_forward import build_forward
+        from .attention_swap import build_swapped_forward
+        from .rotary import reference_rotary
 
-        an = analyse(type(module))
-        if isinstance(an, str):
-            raise ValueError(f"fused_rope cannot patch {type(module).__name__}: {an}")
+        f = info.facts("Attention")
+        layout = f.get("rotary_layout", "rotate_half")
+        route = rope_route(module, f)
+        if isinstance(route, str):
+            raise ValueError(f"{self.name} cannot patch {type(module).__name__}: {route}")
+
+        def fused(q, k, cos, sin):
+            if cos.requires_grad or sin.requires_grad or str(q.dtype) not in SUPPORTED_DTYPES or q.dtype != k.dtype:
+                return reference_rotary(q, k, cos, sin, layout)  # learned cos/sin or an unsupported dtype: plain torch
+            return kernels(q.dtype).rope(q, k, cos, sin)
+
+        if route[0] == "swap":
+            return build_swapped_forward(route[1], fused)
+        an, scope = route[1], route[2]
         norm = an.qk_norm
-        scope = norm_scope(module, info.facts("Attention")) if norm else None
 
         def qk(self, q, k, cos, sin):
             if norm:
                 q, k = apply_qk_norms(self, q, k, scope)
-            if cos.requires_grad or sin.requires_grad or str(q.dtype) not in SUPPORTED_DTYPES or q.dtype != k.dtype:
-                return reference_rope(q, k, cos, sin)  # learned cos/sin or an unsupported dtype: plain torch
-            return kernels(q.dtype).rope(q, k, cos, sin)
+            return fused(q, k, cos, sin)
 
         return build_forward(an, qk, lambda self, q, k: apply_qk_norms(self, q, k, scope) if norm else (q, k))
 

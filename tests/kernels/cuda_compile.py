@@ -51,6 +51,12 @@ VARIANTS = {
     # stabilityai/stablelm-2-1_6b widths: LayerNorm with bias, partial rotary 0.25
     "stablelm": ("stablelm", dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
                                   num_key_value_heads=32, vocab_size=100352, partial_rotary_factor=0.25)),
+    # THUDM/glm-4-9b attention widths (intermediate cut to 4096): fused_rope with the interleaved layout, half-width
+    # cos (GLM's repeat_interleave), partial rotary 0.5, 32 q / 2 kv heads (issue 25; Cohere's interleaved layout
+    # differs only in loading cos/sin at the pairs' own offsets, the loads GLM's q/k use)
+    "glm4": ("glm4", dict(hidden_size=4096, intermediate_size=4096, num_attention_heads=32, num_key_value_heads=2,
+                          head_dim=128, vocab_size=4096, partial_rotary_factor=0.5, pad_token_id=0,
+                          bos_token_id=1, eos_token_id=2)),
     # Qwen3-30B-A3B layer widths (hidden 2048, moe_intermediate 768), 8 of its 128 experts, top 2:
     # fused_experts with concatenated gate/up, SiLU, no bias
     "qwen3_moe": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768, num_experts=8,

@@ -489,8 +489,20 @@ def test_structurally_similar_but_different_forward_is_refused_by_the_stand_in()
     m = _model("llama")
     attn = m.model.layers[0].self_attn
     attn.__class__ = cls
-    with pytest.raises(PatchError, match="does not reproduce"):   # ... the stand-in comparison does not
-        patch_module(attn, OP)
+    from patchdsl.ops.rope import rope_route
+
+    # ... the stand-in comparison of the rebuilt forward does not (it would drop the scaling), so fused_rope
+    # runs the class's own forward with apply_rotary_pos_emb resolved to the kernel instead (issue 25)
+    info = build_index(attn).infos[""]
+    assert rope_route(attn, info.kinds["Attention"])[0] == "swap"
+    x = torch.randn(2, 5, attn.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    ang = torch.randn(1, 5, attn.head_dim, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = attn(x, (ang.cos(), ang.sin()), None)[0]
+        h = patch_module(attn, OP)
+        out = attn(x, (ang.cos(), ang.sin()), None)[0]
+        h.undo()
+    assert torch.allclose(out, ref, atol=1e-5)
     # the same source without the scaling is accepted
     ok = _class_from_source("UnscaledAttention", _SCALED_SRC.replace("    query_states = query_states * 1.5\n", ""),
                             ml.LlamaAttention)

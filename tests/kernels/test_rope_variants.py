@@ -115,12 +115,32 @@ def test_projection_norms_called_per_head_would_be_wrong():
 
 
 @pytest.mark.parametrize("model_type,why", [
-    ("qwen3_5_text", "q_proj produces 2 x heads x head_dim features (the query and a per-head output gate"),
-    ("gpt_oss", "itself rejects q/k rotated by cos/sin of shape"),
-    ("mimo_v2_flash", "v_proj produces"),
+    ("gpt_oss", "apply_rotary_pos_emb computes none of the rotary layouts fused_rope knows"),
 ])
 def test_layouts_fused_rope_does_not_compute_are_refused_with_the_structural_reason(model_type, why):
     """A probe that used to crash on its stand-in now names what differs (never a crash, never silence)."""
     spec = "dtype fp32\n*.self_attn: Attention -> fused_rope\n"
     p = plan(spec, _model(model_type))
     assert p.sites and all(why in s.refused for s in p.sites), [s.refused for s in p.sites]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "mimo_v2_flash"])
+def test_layouts_the_rebuilt_forward_refuses_run_the_models_own_forward(model_type):
+    """Qwen3.5's per-head output gate and MiMo-V2's other value width are refused by the rebuilt forward
+    (with the reason) but patched by running the model's own forward around the kernel (issue 25)."""
+    from patchdsl.ops.attention_forward import layout_reason
+    from patchdsl.ops.rope import rope_route
+
+    m = _model(model_type)
+    attn = next(mod for _, mod in m.named_modules() if type(mod).__name__.endswith("Attention"))
+    f = build_index_facts(attn)
+    assert layout_reason(attn, f, analyse(type(attn)))
+    assert rope_route(attn, f)[0] == "swap"
+    p = plan("dtype fp32\n*.self_attn: Attention -> fused_rope\n", m)
+    assert p.sites and not p.refused_sites
+
+
+def build_index_facts(attn):
+    from patchdsl.index import build_index
+
+    return dict(build_index(attn).infos[""].kinds["Attention"])
