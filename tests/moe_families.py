@@ -27,7 +27,8 @@ MOE_FAMILIES = {
                                         kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                         v_head_dim=8, n_shared_experts=1), "deepseek_v3"),
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                             moe_intermediate_size=24, shared_expert_intermediate_size=40),
+                                             moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                             num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
                     "qwen3_5_moe"),
     # recognised by structure too (no shipped spec)
     "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
