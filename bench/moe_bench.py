@@ -43,27 +43,17 @@ DEV = "cuda"
 TARGET = "cuda"
 
 
-def _time_cuda(fn, reps=10, warmup=3):
-    import torch
-
-    if DEV == "cpu":          # --cpu-dry: one call, wall time (checks the code path, not a measurement)
+def _time_cuda(fn):
+    """ms per call: CUDA events around eager loops (patchdsl.bench.timing), the median; on the CPU
+    (--cpu-dry) one call's wall time (checks the code path, not a measurement)."""
+    if DEV == "cpu":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
+    from patchdsl.bench.timing import time_events
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    fn()                          # compile / autotune outside the estimate of time_events
+    return time_events([fn], target_ms=150.0, min_reps=5, max_reps=30).ms
 
 
 def _experts_module(dev, dt):

@@ -40,26 +40,19 @@ PAYS_AT = 1.1
 
 
 def _timer(dev):
-    import torch
+    """ms per call: CUDA events around eager loops (patchdsl.bench.timing), the median; on the CPU
+    (--cpu-dry) one call's wall time (checks the code path, not a measurement)."""
 
     def time_ms(fn):
-        if dev == "cpu":              # --cpu-dry: one call, wall time (checks the code path, not a measurement)
+        if dev == "cpu":
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e3
+        from patchdsl.bench.timing import time_events
+
         for _ in range(WARMUP):
             fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(REPS):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        ts.sort()
-        return ts[len(ts) // 2]
+        return time_events([fn], target_ms=100.0, min_reps=REPS, max_reps=4 * REPS).ms
 
     return time_ms
 
