@@ -56,7 +56,8 @@ from .planning import (  # noqa: F401
 )
 from .source import (  # noqa: F401
     CONFIG_ATTRS, ForwardShape, KNOWN_SCALARS, KNOWN_SOFTCAPS, MOE_CONFIG_ATTRS, MOE_SELF_ATTRS,
-    SELF_ATTRS, SUPPORTED_DTYPES, _SHAPES, forward_shape, head_transform, host_reason, loss_function_settable,
+    SELF_ATTRS, SUPPORTED_DTYPES, _SHAPES, body_path, body_roots, forward_shape, head_transform, host_body, host_reason,
+    looks_causal_lm, loss_function_settable,
     read_router_loss, require_host, router_loss,
 )
 from .sharding import (  # noqa: F401

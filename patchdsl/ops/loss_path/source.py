@@ -54,6 +54,51 @@ TEXT_CONFIG_READS = {"self.config.text_config.vocab_size", "self.config.text_con
 BODY_CONSTS = {"return_dict"}
 
 # --------------------------------------------------------------------------- the host's forward
+def body_roots(cls: type) -> tuple[str, ...]:
+    """The attribute names a causal LM class may hold its decoder body under: ``model`` and its
+    ``base_model_prefix`` (``transformer``: GPT-2, Bloom, Falcon, MPT ...; ``gpt_neox``; ``cpmant``)."""
+    prefix = getattr(cls, "base_model_prefix", "") or ""
+    return ("model",) + ((prefix,) if prefix.isidentifier() and prefix != "model" else ())
+
+
+def body_path(cls: type) -> str | None:
+    """The decoder body ``cls.forward`` calls, as a path from the host: ``self.<root>(`` for a root of
+    :func:`body_roots`, else ``self.<root>.decoder(`` (OPT, whose base model wraps its decoder); None
+    when its source calls neither (or cannot be read)."""
+    try:
+        src = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return None
+    roots = body_roots(cls)
+    for path in roots + tuple(f"{r}.decoder" for r in roots):
+        if f"self.{path}(" in src:
+            return path
+    return None
+
+
+def host_body(host: Any) -> Any:
+    """The decoder body module the causal LM ``host``'s forward calls (None when it has none)."""
+    path = forward_shape(type(host)).body
+    obj = host
+    for part in (path or "").split(".") if path else ():
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if path else None
+
+
+def looks_causal_lm(m: Any) -> bool:
+    """``m`` holds an lm_head, a config and its decoder body (``model`` or its base_model_prefix)."""
+    return (hasattr(m, "lm_head") and getattr(m, "config", None) is not None
+            and any(isinstance(getattr(m, r, None), _module_type()) for r in body_roots(type(m))))
+
+
+def _module_type() -> type:
+    import torch
+
+    return torch.nn.Module
+
+
 class ForwardShape:
     """What the host class's forward does, read from its source (no execution)."""
 
@@ -70,10 +115,19 @@ class ForwardShape:
         self.body_labels = False           # self.model(..., labels=labels, ...)
         self.body_consts: dict[str, Any] = {}   # self.model(..., return_dict=True, ...)
         self.vocab_source: str | None = None    # the loss_function's vocab_size argument (source)
+        # the decoder body the forward calls, as a path from the host: "model" (Llama, ...), the
+        # class's base_model_prefix ("transformer": GPT-2, Bloom, Falcon ...; "gpt_neox"), or that
+        # module's decoder ("model.decoder": OPT); see body_path
+        self.body = body_path(cls)
+        self.body_args: list[str] = []     # arguments passed to the body by position (input_ids: GPT-2)
         try:
             src = textwrap.dedent(inspect.getsource(self.func))
         except (OSError, TypeError):
             self.reason = f"the source of {cls.__name__}.forward is not available to check"
+            return
+        if self.body is None:
+            self.reason = (f"{cls.__name__}.forward calls neither self.model( nor its base model "
+                           f"self.{getattr(cls, 'base_model_prefix', '') or 'model'}( (nor its .decoder)")
             return
         if "self.lm_head(" not in src or "self.loss_function(" not in src:
             self.reason = (f"{cls.__name__}.forward does not call self.lm_head( and self.loss_function(; "
@@ -91,7 +145,8 @@ class ForwardShape:
     def _head(self, tree: ast.Module) -> str | None:
         """Read the steps between the decoder body and the loss into ``self.steps``; the reason
         when one of them is not a step the fused loss reproduces."""
-        steps, why = _read_head(tree.body[0], self.cls.__name__, self.aux["var"] if self.aux else None)
+        steps, why = _read_head(tree.body[0], self.cls.__name__, self.aux["var"] if self.aux else None,
+                                f"self.{self.body}")
         self.steps = steps
         for n in ast.walk(tree):
             if isinstance(n, ast.Call) and _src(n.func) == "self.loss_function":
@@ -108,6 +163,8 @@ class ForwardShape:
         if "labels" not in params:
             return f"{name}.forward has no 'labels' argument"
         model_calls = []
+        body_src = f"self.{self.body}"
+        body_root = self.body.split(".")[0]
         parents = {c: p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
         for node in ast.walk(fn):
             if (isinstance(node, ast.Attribute) and _src(node) in ("self.config.text_config", "self.config.get_text_config")):
@@ -120,35 +177,37 @@ class ForwardShape:
                     return f"{name}.forward reads {what.replace('self.', '', 1)}, which the fused loss does not reproduce"
                 continue
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-                if node.attr not in SELF_ATTRS and not (self.aux and node.attr in MOE_SELF_ATTRS):
+                if node.attr not in SELF_ATTRS and node.attr != body_root and not (self.aux and node.attr in MOE_SELF_ATTRS):
                     return f"{name}.forward uses self.{node.attr}, which the fused loss does not reproduce"
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
                     and node.value.attr == "config" and node.attr not in CONFIG_ATTRS
                     and not (self.aux and node.attr in MOE_CONFIG_ATTRS)):
                 return f"{name}.forward reads config.{node.attr}, which the fused loss does not reproduce"
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
-                    and node.func.attr == "model"):
+            if isinstance(node, ast.Call) and _src(node.func) == body_src:
                 model_calls.append(node)
             if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
                 self.output_cls = self.func.__globals__.get(node.value.func.id)
         if len(model_calls) != 1:
-            return f"{name}.forward calls self.model {len(model_calls)} times (expected once)"
+            return f"{name}.forward calls {body_src} {len(model_calls)} times (expected once)"
         call = model_calls[0]
-        if call.args:
-            return f"{name}.forward passes positional arguments to self.model"
         passed = set()
+        for arg in call.args:
+            # GPT-2, Bloom, Falcon ...: self.transformer(input_ids, ...); passed the same way (_run_body)
+            if not (isinstance(arg, ast.Name) and arg.id in params and arg.id not in ("labels", "logits_to_keep")):
+                return f"{name}.forward passes {ast.unparse(arg)} to {body_src} by position (not its own argument)"
+            self.body_args.append(arg.id)
+            passed.add(arg.id)
         for kw in call.keywords:
             if kw.arg is None:
                 if not (isinstance(kw.value, ast.Name) and kw.value.id == self.var_kw):
-                    return f"{name}.forward passes **{ast.unparse(kw.value)} to self.model"
+                    return f"{name}.forward passes **{ast.unparse(kw.value)} to {body_src}"
                 continue
             if kw.arg in BODY_CONSTS and isinstance(kw.value, ast.Constant):
                 self.body_consts[kw.arg] = kw.value.value      # return_dict=True (Gemma 3)
                 continue
             if not (isinstance(kw.value, ast.Name) and kw.value.id == kw.arg):
-                return f"{name}.forward passes {kw.arg}={ast.unparse(kw.value)} to self.model (not its own argument)"
+                return f"{name}.forward passes {kw.arg}={ast.unparse(kw.value)} to {body_src} (not its own argument)"
             passed.add(kw.arg)
         if "labels" in passed:
             self.body_labels = True              # Gemma 3 / PaliGemma: the body reads the labels too
@@ -157,7 +216,7 @@ class ForwardShape:
         passed.discard("return_dict")
         if passed != expected:
             diff = sorted(passed ^ expected)
-            return f"{name}.forward does not pass its arguments through to self.model unchanged ({', '.join(diff)})"
+            return f"{name}.forward does not pass its arguments through to {body_src} unchanged ({', '.join(diff)})"
         if self.output_cls is None:
             return f"{name}.forward does not return an output object the fused loss can rebuild"
         try:
@@ -223,7 +282,8 @@ def _is_tanh(e: ast.expr) -> ast.expr | None:
     return None
 
 
-def _read_head(fn: ast.AST, name: str, aux_var: str | None = None) -> tuple[list[tuple[str, str, str]], str | None]:
+def _read_head(fn: ast.AST, name: str, aux_var: str | None = None,
+               body_src: str = "self.model") -> tuple[list[tuple[str, str, str]], str | None]:
     """The steps of ``fn`` (a causal LM's forward) from its body's output to its loss.
 
     Every assignment to ``hidden_states``, to the variable the lm_head call is assigned to and to
@@ -232,10 +292,10 @@ def _read_head(fn: ast.AST, name: str, aux_var: str | None = None) -> tuple[list
     multiplication or division by a known scalar, the known tanh softcapping, ``loss = None`` and
     ``loss = self.loss_function(<logits>, ...)``; anything else is the reason returned.
     """
-    body_line = min((n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and _src(n.func) == "self.model"),
+    body_line = min((n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and _src(n.func) == body_src),
                     default=None)
     if body_line is None:
-        return [], f"{name}.forward does not call self.model"
+        return [], f"{name}.forward does not call {body_src}"
     stmts = sorted((n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
                     and n.lineno > body_line), key=lambda n: (n.lineno, n.col_offset))
     head = next((n for n in stmts if any(isinstance(c, ast.Call) and _src(c.func) == "self.lm_head"
@@ -510,8 +570,8 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
     """Why the live causal LM ``host`` cannot take ``op`` (None if it can)."""
     import torch
 
-    if not hasattr(host, "lm_head") or not hasattr(host, "model") or getattr(host, "config", None) is None:
-        return "not a causal LM (needs self.model, self.lm_head and self.config)"
+    if not looks_causal_lm(host):
+        return "not a causal LM (needs self.model (or its base model), self.lm_head and self.config)"
     lm = unwrap(host.lm_head)
     if not isinstance(lm, torch.nn.Linear):
         if linear_like(lm) is not None:
