@@ -53,11 +53,15 @@ def resolve_router_flag(self: Any, shape: ForwardShape, a: dict, extra: dict) ->
     """MoE (issue 24): ``output_router_logits`` resolved as the original forward resolves it (the
     call's value, else the config's) before the body runs, so the body records the router logits
     exactly when the unpatched forward would have it record them."""
-    if not shape.aux:
+    if not shape.aux and shape.router_flag is None:
         return
     where = a if "output_router_logits" in a or "output_router_logits" in shape.sig.parameters else extra
-    if where.get("output_router_logits") is None:
-        where["output_router_logits"] = self.config.output_router_logits
+    v = where.get("output_router_logits")
+    if v is None:
+        v = self.config.output_router_logits
+    for name in shape.router_flag or ():      # Doge: (...) and self.config.is_moe
+        v = v and getattr(self.config, name)
+    where["output_router_logits"] = v
 
 
 def add_router_loss(self: Any, shape: ForwardShape, outputs: Any, a: Mapping[str, Any], extra: Mapping[str, Any],

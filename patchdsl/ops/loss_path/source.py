@@ -136,6 +136,9 @@ class ForwardShape:
         tree = ast.parse(src)
         # MoE (issue 24): the auxiliary load-balancing loss block, replayed by the fused forward
         self.aux, why = read_router_loss(tree.body[0], self.func.__globals__, cls.__name__)
+        # the router-logits flag as the forward resolves it (the call's, else the config's, and-ed with
+        # config flags: Doge's `and self.config.is_moe`), passed to the body; None: not resolved there
+        self.router_flag = read_router_flag(tree.body[0])
         self.reason = why or self._analyse(tree) or self._head(tree)
 
     @property
@@ -182,7 +185,9 @@ class ForwardShape:
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
                     and node.value.attr == "config" and node.attr not in CONFIG_ATTRS
-                    and not (self.aux and node.attr in MOE_CONFIG_ATTRS)):
+                    and not (self.aux and node.attr in MOE_CONFIG_ATTRS)
+                    and not (self.router_flag is not None
+                             and node.attr in MOE_CONFIG_ATTRS | set(self.router_flag))):
                 return f"{name}.forward reads config.{node.attr}, which the fused loss does not reproduce"
             if isinstance(node, ast.Call) and _src(node.func) == body_src:
                 model_calls.append(node)
@@ -427,6 +432,40 @@ MOE_SELF_ATTRS = {"router_aux_loss_coef", "num_experts", "num_experts_per_tok"}
 MOE_CONFIG_ATTRS = {"output_router_logits"}
 _AUX_ARGS = {"self.num_experts", "self.num_experts_per_tok", "attention_mask", "self.config.num_experts",
              "self.config.num_local_experts", "self.config.num_experts_per_tok"}
+# pure functions an argument may apply to those (Doge: math.floor(math.sqrt(self.num_experts)))
+_AUX_FUNCS = {"math.floor", "math.sqrt", "math.ceil", "int"}
+
+
+def _aux_arg_ok(e: ast.expr) -> bool:
+    """``e`` is one of :data:`_AUX_ARGS`, or :data:`_AUX_FUNCS` applied to such arguments."""
+    if _src(e) in _AUX_ARGS:
+        return True
+    return (isinstance(e, ast.Call) and _src(e.func) in _AUX_FUNCS and not e.keywords and len(e.args) == 1
+            and _aux_arg_ok(e.args[0]))
+
+
+def read_router_flag(fn: ast.AST) -> list[str] | None:
+    """The config flags and-ed to ``output_router_logits`` where ``fn`` resolves it as
+    ``output_router_logits if output_router_logits is not None else self.config.output_router_logits``
+    (``[]``, or ``["is_moe"]`` for Doge's ``(...) and self.config.is_moe``); None when it does not
+    (then any read of config.output_router_logits refuses the site, naming it)."""
+    std = "output_router_logits if output_router_logits is not None else self.config.output_router_logits"
+    for n in ast.walk(fn):
+        if not (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id == "output_router_logits"):
+            continue
+        v = n.value
+        if _src(v) == std:
+            return []
+        if isinstance(v, ast.BoolOp) and isinstance(v.op, ast.And) and _src(v.values[0]) == std:
+            ands = []
+            for x in v.values[1:]:
+                if not (isinstance(x, ast.Attribute) and _src(x.value) == "self.config"):
+                    return None
+                ands.append(x.attr)
+            return ands
+        return None
+    return None
 
 
 def read_router_loss(fn: ast.AST, globals_: Mapping[str, Any], name: str) -> tuple[dict | None, str | None]:
@@ -440,7 +479,7 @@ def read_router_loss(fn: ast.AST, globals_: Mapping[str, Any], name: str) -> tup
         return None, f"{name}.forward computes its router loss in a way the fused loss does not replay"
     call = calls[0]
     args = [_src(a) for a in call.args[1:]]
-    if call.keywords or any(a not in _AUX_ARGS for a in args):
+    if call.keywords or not all(_aux_arg_ok(a) for a in call.args[1:]):
         return None, (f"{name}.forward calls {_src(call.func)}({', '.join(_src(a) for a in call.args)}), "
                       "arguments the fused loss does not replay")
     func = globals_.get(call.func.id)
@@ -479,8 +518,25 @@ def router_loss(host: Any, shape: "ForwardShape", outputs: Any, a: Mapping[str, 
     router_logits = outputs.get("router_logits") if hasattr(outputs, "get") else getattr(outputs, "router_logits", None)
     if router_logits is None:        # a body that recorded none (HF's function would return the int 0)
         return None
-    args = [a.get(src) if not src.startswith("self.") else _read_value(host, src) for src in aux["args"]]
+    args = [_aux_value(host, src, a) for src in aux["args"]]
     return aux["func"](router_logits, *args)
+
+
+def _aux_value(host: Any, source: str, a: Mapping[str, Any]) -> Any:
+    """The value of a router-loss argument (:func:`_aux_arg_ok`: a call's argument, ``self.x.y``, or
+    math functions of those) for ``host`` and the call's arguments ``a``."""
+    import math
+
+    e = ast.parse(source, mode="eval").body
+
+    def ev(e: ast.expr) -> Any:
+        src = _src(e)
+        if src in _AUX_ARGS:
+            return a.get(src) if not src.startswith("self.") else _read_value(host, src)
+        f = {"math.floor": math.floor, "math.sqrt": math.sqrt, "math.ceil": math.ceil, "int": int}[_src(e.func)]
+        return f(ev(e.args[0]))
+
+    return ev(e)
 
 
 def _read_value(host: Any, source: str) -> Any:
