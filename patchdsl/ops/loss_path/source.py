@@ -169,7 +169,10 @@ class ForwardShape:
         body_src = f"self.{self.body}"
         body_root = self.body.split(".")[0]
         parents = {c: p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
+        ignored = _ignored_loss_kwargs(fn)
         for node in ast.walk(fn):
+            if node in ignored:
+                continue
             if (isinstance(node, ast.Attribute) and _src(node) in ("self.config.text_config", "self.config.get_text_config")):
                 outer = parents.get(node)
                 while isinstance(outer, (ast.Attribute, ast.Call)) and _src(outer) not in TEXT_CONFIG_READS \
@@ -233,6 +236,34 @@ class ForwardShape:
             return f"{name}.forward returns {self.output_cls.__name__} without loss/logits fields"
         self.output_fields = [f for f in fields if f not in ("loss", "logits")]
         return None
+
+
+def _loss_params() -> set[str]:
+    """The parameters HF's ForCausalLMLoss (and fixed_cross_entropy, which it passes its **kwargs
+    to) reads; another keyword is swallowed by their **kwargs, unread."""
+    from transformers.loss import loss_utils
+
+    names = set()
+    for f in (loss_utils.ForCausalLMLoss, loss_utils.fixed_cross_entropy):
+        names |= {p.name for p in inspect.signature(f).parameters.values() if p.kind is not p.VAR_KEYWORD}
+    return names
+
+
+def _ignored_loss_kwargs(fn: ast.AST) -> set[ast.AST]:
+    """The nodes of keyword arguments of ``self.loss_function(...)`` that ForCausalLMLoss does not read
+    (XGLM's ``pad_token_id=self.config.pad_token_id``): reading them changes nothing the loss computes
+    (the loss function is checked to be ForCausalLMLoss: :func:`_standard_loss`)."""
+    out: set[ast.AST] = set()
+    known = None
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and _src(n.func) == "self.loss_function":
+            for k in n.keywords:
+                if k.arg is None:
+                    continue
+                known = _loss_params() if known is None else known
+                if k.arg not in known:
+                    out |= set(ast.walk(k.value))
+    return out
 
 
 def _src(node: ast.AST) -> str:
