@@ -51,7 +51,7 @@ from __future__ import annotations
 # one module per concern (planning -> source -> sharding -> labels_loss -> logprobs / jsd); the names
 # below are the package's API, imported as patchdsl.ops.loss_path.<name> by the ops
 from .planning import (  # noqa: F401
-    causal_lm_host, hidden_of, lm_head_misfit, resolve_multiplier, resolve_scaling, resolve_softcap,
+    causal_lm_host, head_module_reason, hidden_of, lm_head_misfit, resolve_multiplier, resolve_scaling, resolve_softcap,
     transforms_logits, vocab_of,
 )
 from .source import (  # noqa: F401
