@@ -123,6 +123,9 @@ class Variant(GPT2LMHeadModel):
         return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
 """
 
+_SOFTCAP = ("logits = logits / self.final_logit_softcapping\n        logits = torch.tanh(logits)\n"
+            "        logits = logits * self.final_logit_softcapping")
+
 # A variant of GPT-2's forward (body under `transformer`) -> None (fused, loss as HF's) or the refusal.
 VARIANTS = {
     "plain": (dict(), None),
@@ -133,6 +136,9 @@ VARIANTS = {
     "a loss argument ForCausalLMLoss reads": (dict(loss_kw="ignore_index=self.config.pad_token_id, "),
                                                r"reads config\.pad_token_id"),
     "a loss argument it ignores": (dict(loss_kw="pad_token_id=self.config.pad_token_id, "), None),
+    # Mistral Large 4's softcap (an attribute set from the text config), applied with no None check
+    "an unguarded softcap": (dict(head=_SOFTCAP, cap=0.05), None),
+    "an unguarded softcap that is None": (dict(head=_SOFTCAP, cap=None), r"softcaps by it unconditionally"),
     "a router flag not resolved the known way": (
         dict(pre="output_router_logits = self.config.output_router_logits or False"),
         r"reads config\.output_router_logits"),
@@ -142,6 +148,8 @@ VARIANTS = {
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_a_gpt2_style_forward_is_fused_or_refused_by_name(name, tmp_path, monkeypatch):
     parts, expected = VARIANTS[name]
+    parts = dict(parts)
+    cap = parts.pop("cap", "unset")
     fill = {"pre": "pass", "body_args": "input_ids, ", "twice": "pass", "head": "pass", "loss_kw": "", **parts}
     path = tmp_path / "gpt2_variant.py"
     path.write_text(_GPT2_VARIANT.format(**fill))
@@ -153,6 +161,8 @@ def test_a_gpt2_style_forward_is_fused_or_refused_by_name(name, tmp_path, monkey
     cfg.output_router_logits = False
     torch.manual_seed(0)
     ref = mod.Variant(cfg).train()
+    if cap != "unset":
+        ref.final_logit_softcapping = cap
     pat = copy.deepcopy(ref)
     loss_path._SHAPES.clear()
     if expected is not None:

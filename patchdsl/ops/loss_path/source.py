@@ -34,8 +34,14 @@ KNOWN_SOFTCAPS = {
     "self.config.text_config.final_logit_softcapping": "text_config.final_logit_softcapping",
     "getattr(self.config.get_text_config(), 'final_logit_softcapping', None)": "text_config.final_logit_softcapping",
     "self.config.logits_soft_cap": "logits_soft_cap",                   # RecurrentGemma
+    # Mistral Large 4 (set from the text config's final_logit_softcapping; applied with no None check)
+    "self.final_logit_softcapping": "text_config.final_logit_softcapping",
 }
-SELF_ATTRS = {"model", "lm_head", "loss_function", "config", "vocab_size", "training", "logit_scale"}
+# softcaps a forward applies without an `is not None` guard: None there is an error of the original
+# forward (a division by None), so the fused loss refuses rather than skip the softcapping
+UNGUARDED_SOFTCAPS = {"self.final_logit_softcapping"}
+SELF_ATTRS = {"model", "lm_head", "loss_function", "config", "vocab_size", "training", "logit_scale",
+              "final_logit_softcapping"}
 CONFIG_ATTRS = {"vocab_size", "final_logit_softcapping", "logits_scaling", "use_return_dict", "return_dict",
                 "logits_soft_cap", "logits_mup_width_multiplier",
                 "output_attentions", "output_hidden_states", "use_cache",
@@ -598,6 +604,8 @@ def head_transform(host: Any) -> tuple[dict[str, Any] | None, str | None]:
         except AttributeError:
             return None, f"{type(host).__name__}.forward reads {source}, which this model does not have"
         if v is None:
+            if kind == "softcap" and source in UNGUARDED_SOFTCAPS:
+                return None, f"{source} is None ({type(host).__name__}.forward softcaps by it unconditionally)"
             if kind == "softcap":
                 continue                       # `if ... is not None:` around it in every known forward
             return None, f"{source} is None ({type(host).__name__}.forward scales by it)"
