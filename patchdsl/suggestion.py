@@ -315,7 +315,9 @@ def suggest(model: Any, *, dtypes: tuple[str, ...] = ("bf16", "fp32"), target: s
         if i.path in tried:
             unpatched[i.path] = _reasons(tried[i.path])
         elif con == "loss":
-            unpatched[i.path] = "no causal-LM loss op fits it"
+            from .ops.loss_path import head_module_reason
+            parent = modules.get(i.path.rsplit(".", 1)[0] if "." in i.path else "")
+            unpatched[i.path] = head_module_reason(modules.get(i.path), parent)
         else:
             unpatched[i.path] = _no_kind_reason(modules.get(i.path), i, con)
 

@@ -130,7 +130,7 @@ def test_suggestion_patches_what_the_shipped_spec_patches(family):
     ("olmo2", {}),                      # q/k norms over the whole projection: fused_rope calls them so
     ("smollm3", {}),                    # NoPE layers: the rotation only where the model rotates
     ("nemotron", {}),                   # LayerNorm1P: fused_layernorm with offset 1; relu2 MLP: fused_mlp
-    ("gpt_neox", {"loss": "no causal LM holds"}),   # query_key_value, dense, partial rotary: fused_rope; MLP: fused_mlp
+    ("gpt_neox", {}),                   # query_key_value, dense, partial rotary: fused_rope; MLP: fused_mlp; body gpt_neox: the loss
     ("apertus", {"mlp": "its activation XIELUActivation is none of the activations fused_mlp computes"}),
     ("glm4", {}),                       # interleaved partial rotary: fused_rope
     ("gpt_oss", {"attention": "computes none of the rotary layouts"}),
@@ -210,8 +210,8 @@ def test_cli_suggest_bad_model_is_exit_2():
 
 # ------------------------------------------------------------------ hints that name the structural reason
 @pytest.mark.parametrize("family,rule,want,not_want", [
-    ("gpt_neox", "lm_head: Linear -> fused_linear_cross_entropy",
-     "GPTNeoXForCausalLM is not recognised as a causal LM", "select it alone"),
+    ("roberta", "lm_head.decoder: Linear -> fused_linear_cross_entropy",
+     "RobertaForCausalLM is not recognised as a causal LM", "select it alone"),
     ("gpt2", "*.attn: Attention -> fused_rope", "GPT2Attention has no q_proj, k_proj, v_proj, o_proj", None),
     ("opt", "*.self_attn: Attention -> fused_rope",
      "OPTAttention has no o_proj, nor a rotary embedding to go with its out_proj", None),

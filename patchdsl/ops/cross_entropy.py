@@ -152,7 +152,7 @@ class FusedCrossEntropy(Op):
         return loss_kernel_name(self.name, params)
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .loss_path import host_reason
+        from .loss_path import host_reason, looks_causal_lm
         f = info.facts("CausalLM")
         if not f:
             return "no enclosing causal LM (a module with model, lm_head and config) was found"
@@ -160,7 +160,7 @@ class FusedCrossEntropy(Op):
         if cap not in ("auto", None) and float(cap) != 0 and f.get("softcap"):
             return (f"the model's forward already applies final_logit_softcapping={f['softcap']}; "
                     f"softcap={cap} would apply it twice")
-        if hasattr(module, "lm_head") and hasattr(module, "model"):
+        if looks_causal_lm(module):
             return host_reason(module, info, flags, self.loss_role)
         import torch
         if not isinstance(module, torch.nn.Linear):

@@ -372,11 +372,13 @@ def attention(m: Any) -> dict | None:
     return attention_facts(m, rmsnorm, linear_like)
 
 
-@kind("CausalLM", "a causal LM head model: self.model, self.lm_head and a loss_function")
+@kind("CausalLM", "a causal LM head model: self.model (or its base_model_prefix), self.lm_head and a loss_function")
 def causal_lm(m: Any) -> dict | None:
+    from .loss_path import looks_causal_lm     # the body under `model` or the base_model_prefix (GPT-2: transformer)
+
     lm = getattr(m, "lm_head", None)
     cfg = getattr(m, "config", None)
-    if lm is None or cfg is None or not hasattr(m, "model"):
+    if lm is None or cfg is None or not looks_causal_lm(m):
         return None
     lin = linear_like(unwrap(lm))
     if lin is None:
@@ -822,7 +824,7 @@ KIND_NEEDS = {
             "forward equal to down(act(up(x)))"),
     "Attention": ("children q_proj, k_proj, v_proj (or qkv_proj / query_key_value) and o_proj (or dense / out_proj "
                   "with a rotary embedding), a config, head_dim and head counts"),
-    "CausalLM": "attributes model (the base model), lm_head and config",
+    "CausalLM": "attributes model (or the base model under its base_model_prefix: transformer, gpt_neox ...), lm_head and config",
     "DecoderLayer": "children input_layernorm, self_attn, post_attention_layernorm and mlp",
 }
 

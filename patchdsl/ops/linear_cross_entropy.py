@@ -189,14 +189,14 @@ class ChunkedHeadOp(Op):
         return "_".join(str(p) for p in parts)
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .loss_path import host_reason, transforms_logits
+        from .loss_path import host_reason, looks_causal_lm, transforms_logits
         f = info.facts("CausalLM")
         if not f:
             return "no enclosing causal LM (a module with model, lm_head and config) was found"
         what = transforms_logits(f)
         if what:
             return f"the model's forward transforms its logits ({what}), which {self.name} does not reproduce"
-        if hasattr(module, "lm_head") and hasattr(module, "model"):
+        if looks_causal_lm(module):
             return host_reason(module, info, flags, self.name)
         return lm_head_linear_reason(module, info, f)
 
@@ -267,11 +267,11 @@ class FusedLinearCrossEntropy(Op):
         return name[: -len(tgt)] + extra + "_" + tgt
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .loss_path import host_reason, resolve_softcap
+        from .loss_path import host_reason, looks_causal_lm, resolve_softcap
         f = info.facts("CausalLM")
         if not f:
             return "no enclosing causal LM (a module with model, lm_head and config) was found"
-        if hasattr(module, "lm_head") and hasattr(module, "model"):
+        if looks_causal_lm(module):
             return host_reason(module, info, flags, self.loss_role)
         why = lm_head_linear_reason(module, info, f)
         if why:

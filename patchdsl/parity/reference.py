@@ -80,6 +80,11 @@ def float64_mode():
                     args = tuple(new_args)
                     if kwargs.get("dtype") in narrow:
                         kwargs["dtype"] = f64
+            elif (func is torch.full and kwargs.get("dtype") is None and len(args) > 1
+                  and isinstance(args[1], float) and abs(args[1]) > torch.finfo(torch.get_default_dtype()).max):
+                # torch.full((), torch.finfo(weights.dtype).min) with float64 weights (XGLM's attention
+                # mask): a float64 value the default dtype cannot hold; the fill keeps float64
+                kwargs["dtype"] = f64
             elif _has_f64(args) or any(_has_f64(v) for v in kwargs.values()):
                 if kwargs.get("dtype") in narrow:
                     kwargs["dtype"] = f64

@@ -33,7 +33,17 @@ Cohere's ``logit_scale``, Falcon-H1's ``lm_head_multiplier``, MiniCPM3's hidden-
 Gemma's ``final_logit_softcapping``, ...) are reproduced by the fused loss; any other statement
 that computes the logits, the hidden states they come from or the loss refuses the site, naming it.
 
-What a host must look like (checked, one-line refusal otherwise): ``self.model``, a plain
+The decoder body is the one the forward calls (:func:`~.source.body_path`): ``self.model``, the base
+model under the class's ``base_model_prefix`` (``self.transformer``: GPT-2, Bloom, Falcon, MPT, CTRL ...;
+``self.gpt_neox``) or its decoder (``self.model.decoder``: OPT), with the arguments it passes by
+position (``self.transformer(input_ids, ...)``) passed the same way.  Keyword arguments of the loss call
+that ForCausalLMLoss does not read (XGLM's ``pad_token_id=self.config.pad_token_id``) are allowed; the
+router-logits flag is resolved as the forward resolves it (the call's, else the config's, and-ed with
+config flags: Doge's ``and self.config.is_moe``), with or without a router aux loss after it.  An lm_head
+that is not a linear layer (BERT-style heads with a transform before the vocabulary projection) is
+refused with its structure (:func:`~.planning.head_module_reason`).
+
+What a host must look like (checked, one-line refusal otherwise): ``self.model`` (or the above), a plain
 ``nn.Linear`` ``lm_head`` (PEFT's ModulesToSaveWrapper is unwrapped; a LoRA-wrapped lm_head is
 refused because its delta lives in its forward), the standard ``ForCausalLMLoss``, and a forward
 whose source calls ``self.lm_head(`` and ``self.loss_function(``, passes its own arguments through
@@ -51,12 +61,13 @@ from __future__ import annotations
 # one module per concern (planning -> source -> sharding -> labels_loss -> logprobs / jsd); the names
 # below are the package's API, imported as patchdsl.ops.loss_path.<name> by the ops
 from .planning import (  # noqa: F401
-    causal_lm_host, hidden_of, lm_head_misfit, resolve_multiplier, resolve_scaling, resolve_softcap,
+    causal_lm_host, head_module_reason, hidden_of, lm_head_misfit, resolve_multiplier, resolve_scaling, resolve_softcap,
     transforms_logits, vocab_of,
 )
 from .source import (  # noqa: F401
     CONFIG_ATTRS, ForwardShape, KNOWN_SCALARS, KNOWN_SOFTCAPS, MOE_CONFIG_ATTRS, MOE_SELF_ATTRS,
-    SELF_ATTRS, SUPPORTED_DTYPES, _SHAPES, forward_shape, head_transform, host_reason, loss_function_settable,
+    SELF_ATTRS, SUPPORTED_DTYPES, _SHAPES, body_path, body_roots, forward_shape, head_transform, host_body, host_reason,
+    looks_causal_lm, loss_function_settable,
     read_router_loss, require_host, router_loss,
 )
 from .sharding import (  # noqa: F401

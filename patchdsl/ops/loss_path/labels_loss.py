@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 
 from ..common import signature_binder, unwrap
 from .sharding import call_as_forward, head_gather, unsharded_reason
-from .source import ForwardShape, _read_value, forward_shape, router_loss
+from .source import ForwardShape, _read_value, forward_shape, host_body, router_loss
 
 
 # --------------------------------------------------------------------------- runtime helpers
@@ -21,7 +21,7 @@ def shift_labels_of(labels: Any, ignore_index: int) -> Any:
 
 
 def _run_body(self: Any, a: dict, extra: dict, labels: Any = None) -> tuple[Any, Any, Any, bool]:
-    """Run the causal LM's decoder body (``self.model``) on the call's arguments once the loss path
+    """Run the causal LM's decoder body (``self.model``, or what the forward calls: :func:`host_body`) on the call's arguments once the loss path
     has taken the call: pops ``logits_to_keep`` and ``return_dict`` (the config's default unless the
     call gives one) and returns (the body's outputs, its last hidden state, logits_to_keep,
     return_dict).  What the original forward passes to its body beside its own arguments is passed
@@ -36,7 +36,9 @@ def _run_body(self: Any, a: dict, extra: dict, labels: Any = None) -> tuple[Any,
         a["labels"] = labels
     for k, v in shape.body_consts.items():
         a[k] = v
-    outputs = self.model(**a, **extra)
+    body = host_body(self)               # self.model, self.transformer (GPT-2), self.model.decoder (OPT)
+    pos = [a.pop(n) for n in shape.body_args]      # self.transformer(input_ids, ...): by position, as the original
+    outputs = body(*pos, **a, **extra)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     return outputs, hidden, logits_to_keep, return_dict
 
@@ -51,11 +53,15 @@ def resolve_router_flag(self: Any, shape: ForwardShape, a: dict, extra: dict) ->
     """MoE (issue 24): ``output_router_logits`` resolved as the original forward resolves it (the
     call's value, else the config's) before the body runs, so the body records the router logits
     exactly when the unpatched forward would have it record them."""
-    if not shape.aux:
+    if not shape.aux and shape.router_flag is None:
         return
     where = a if "output_router_logits" in a or "output_router_logits" in shape.sig.parameters else extra
-    if where.get("output_router_logits") is None:
-        where["output_router_logits"] = self.config.output_router_logits
+    v = where.get("output_router_logits")
+    if v is None:
+        v = self.config.output_router_logits
+    for name in shape.router_flag or ():      # Doge: (...) and self.config.is_moe
+        v = v and getattr(self.config, name)
+    where["output_router_logits"] = v
 
 
 def add_router_loss(self: Any, shape: ForwardShape, outputs: Any, a: Mapping[str, Any], extra: Mapping[str, Any],

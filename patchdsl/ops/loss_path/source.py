@@ -34,8 +34,14 @@ KNOWN_SOFTCAPS = {
     "self.config.text_config.final_logit_softcapping": "text_config.final_logit_softcapping",
     "getattr(self.config.get_text_config(), 'final_logit_softcapping', None)": "text_config.final_logit_softcapping",
     "self.config.logits_soft_cap": "logits_soft_cap",                   # RecurrentGemma
+    # Mistral Large 4 (set from the text config's final_logit_softcapping; applied with no None check)
+    "self.final_logit_softcapping": "text_config.final_logit_softcapping",
 }
-SELF_ATTRS = {"model", "lm_head", "loss_function", "config", "vocab_size", "training", "logit_scale"}
+# softcaps a forward applies without an `is not None` guard: None there is an error of the original
+# forward (a division by None), so the fused loss refuses rather than skip the softcapping
+UNGUARDED_SOFTCAPS = {"self.final_logit_softcapping"}
+SELF_ATTRS = {"model", "lm_head", "loss_function", "config", "vocab_size", "training", "logit_scale",
+              "final_logit_softcapping"}
 CONFIG_ATTRS = {"vocab_size", "final_logit_softcapping", "logits_scaling", "use_return_dict", "return_dict",
                 "logits_soft_cap", "logits_mup_width_multiplier",
                 "output_attentions", "output_hidden_states", "use_cache",
@@ -54,6 +60,51 @@ TEXT_CONFIG_READS = {"self.config.text_config.vocab_size", "self.config.text_con
 BODY_CONSTS = {"return_dict"}
 
 # --------------------------------------------------------------------------- the host's forward
+def body_roots(cls: type) -> tuple[str, ...]:
+    """The attribute names a causal LM class may hold its decoder body under: ``model`` and its
+    ``base_model_prefix`` (``transformer``: GPT-2, Bloom, Falcon, MPT ...; ``gpt_neox``; ``cpmant``)."""
+    prefix = getattr(cls, "base_model_prefix", "") or ""
+    return ("model",) + ((prefix,) if prefix.isidentifier() and prefix != "model" else ())
+
+
+def body_path(cls: type) -> str | None:
+    """The decoder body ``cls.forward`` calls, as a path from the host: ``self.<root>(`` for a root of
+    :func:`body_roots`, else ``self.<root>.decoder(`` (OPT, whose base model wraps its decoder); None
+    when its source calls neither (or cannot be read)."""
+    try:
+        src = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return None
+    roots = body_roots(cls)
+    for path in roots + tuple(f"{r}.decoder" for r in roots):
+        if f"self.{path}(" in src:
+            return path
+    return None
+
+
+def host_body(host: Any) -> Any:
+    """The decoder body module the causal LM ``host``'s forward calls (None when it has none)."""
+    path = forward_shape(type(host)).body
+    obj = host
+    for part in (path or "").split(".") if path else ():
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if path else None
+
+
+def looks_causal_lm(m: Any) -> bool:
+    """``m`` holds an lm_head, a config and its decoder body (``model`` or its base_model_prefix)."""
+    return (hasattr(m, "lm_head") and getattr(m, "config", None) is not None
+            and any(isinstance(getattr(m, r, None), _module_type()) for r in body_roots(type(m))))
+
+
+def _module_type() -> type:
+    import torch
+
+    return torch.nn.Module
+
+
 class ForwardShape:
     """What the host class's forward does, read from its source (no execution)."""
 
@@ -70,10 +121,19 @@ class ForwardShape:
         self.body_labels = False           # self.model(..., labels=labels, ...)
         self.body_consts: dict[str, Any] = {}   # self.model(..., return_dict=True, ...)
         self.vocab_source: str | None = None    # the loss_function's vocab_size argument (source)
+        # the decoder body the forward calls, as a path from the host: "model" (Llama, ...), the
+        # class's base_model_prefix ("transformer": GPT-2, Bloom, Falcon ...; "gpt_neox"), or that
+        # module's decoder ("model.decoder": OPT); see body_path
+        self.body = body_path(cls)
+        self.body_args: list[str] = []     # arguments passed to the body by position (input_ids: GPT-2)
         try:
             src = textwrap.dedent(inspect.getsource(self.func))
         except (OSError, TypeError):
             self.reason = f"the source of {cls.__name__}.forward is not available to check"
+            return
+        if self.body is None:
+            self.reason = (f"{cls.__name__}.forward calls neither self.model( nor its base model "
+                           f"self.{getattr(cls, 'base_model_prefix', '') or 'model'}( (nor its .decoder)")
             return
         if "self.lm_head(" not in src or "self.loss_function(" not in src:
             self.reason = (f"{cls.__name__}.forward does not call self.lm_head( and self.loss_function(; "
@@ -82,6 +142,9 @@ class ForwardShape:
         tree = ast.parse(src)
         # MoE (issue 24): the auxiliary load-balancing loss block, replayed by the fused forward
         self.aux, why = read_router_loss(tree.body[0], self.func.__globals__, cls.__name__)
+        # the router-logits flag as the forward resolves it (the call's, else the config's, and-ed with
+        # config flags: Doge's `and self.config.is_moe`), passed to the body; None: not resolved there
+        self.router_flag = read_router_flag(tree.body[0])
         self.reason = why or self._analyse(tree) or self._head(tree)
 
     @property
@@ -91,7 +154,8 @@ class ForwardShape:
     def _head(self, tree: ast.Module) -> str | None:
         """Read the steps between the decoder body and the loss into ``self.steps``; the reason
         when one of them is not a step the fused loss reproduces."""
-        steps, why = _read_head(tree.body[0], self.cls.__name__, self.aux["var"] if self.aux else None)
+        steps, why = _read_head(tree.body[0], self.cls.__name__, self.aux["var"] if self.aux else None,
+                                f"self.{self.body}")
         self.steps = steps
         for n in ast.walk(tree):
             if isinstance(n, ast.Call) and _src(n.func) == "self.loss_function":
@@ -108,8 +172,13 @@ class ForwardShape:
         if "labels" not in params:
             return f"{name}.forward has no 'labels' argument"
         model_calls = []
+        body_src = f"self.{self.body}"
+        body_root = self.body.split(".")[0]
         parents = {c: p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
+        ignored = _ignored_loss_kwargs(fn)
         for node in ast.walk(fn):
+            if node in ignored:
+                continue
             if (isinstance(node, ast.Attribute) and _src(node) in ("self.config.text_config", "self.config.get_text_config")):
                 outer = parents.get(node)
                 while isinstance(outer, (ast.Attribute, ast.Call)) and _src(outer) not in TEXT_CONFIG_READS \
@@ -120,35 +189,39 @@ class ForwardShape:
                     return f"{name}.forward reads {what.replace('self.', '', 1)}, which the fused loss does not reproduce"
                 continue
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-                if node.attr not in SELF_ATTRS and not (self.aux and node.attr in MOE_SELF_ATTRS):
+                if node.attr not in SELF_ATTRS and node.attr != body_root and not (self.aux and node.attr in MOE_SELF_ATTRS):
                     return f"{name}.forward uses self.{node.attr}, which the fused loss does not reproduce"
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
                     and node.value.attr == "config" and node.attr not in CONFIG_ATTRS
-                    and not (self.aux and node.attr in MOE_CONFIG_ATTRS)):
+                    and not (self.aux and node.attr in MOE_CONFIG_ATTRS)
+                    and not (self.router_flag is not None
+                             and node.attr in MOE_CONFIG_ATTRS | set(self.router_flag))):
                 return f"{name}.forward reads config.{node.attr}, which the fused loss does not reproduce"
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
-                    and node.func.attr == "model"):
+            if isinstance(node, ast.Call) and _src(node.func) == body_src:
                 model_calls.append(node)
             if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
                 self.output_cls = self.func.__globals__.get(node.value.func.id)
         if len(model_calls) != 1:
-            return f"{name}.forward calls self.model {len(model_calls)} times (expected once)"
+            return f"{name}.forward calls {body_src} {len(model_calls)} times (expected once)"
         call = model_calls[0]
-        if call.args:
-            return f"{name}.forward passes positional arguments to self.model"
         passed = set()
+        for arg in call.args:
+            # GPT-2, Bloom, Falcon ...: self.transformer(input_ids, ...); passed the same way (_run_body)
+            if not (isinstance(arg, ast.Name) and arg.id in params and arg.id not in ("labels", "logits_to_keep")):
+                return f"{name}.forward passes {ast.unparse(arg)} to {body_src} by position (not its own argument)"
+            self.body_args.append(arg.id)
+            passed.add(arg.id)
         for kw in call.keywords:
             if kw.arg is None:
                 if not (isinstance(kw.value, ast.Name) and kw.value.id == self.var_kw):
-                    return f"{name}.forward passes **{ast.unparse(kw.value)} to self.model"
+                    return f"{name}.forward passes **{ast.unparse(kw.value)} to {body_src}"
                 continue
             if kw.arg in BODY_CONSTS and isinstance(kw.value, ast.Constant):
                 self.body_consts[kw.arg] = kw.value.value      # return_dict=True (Gemma 3)
                 continue
             if not (isinstance(kw.value, ast.Name) and kw.value.id == kw.arg):
-                return f"{name}.forward passes {kw.arg}={ast.unparse(kw.value)} to self.model (not its own argument)"
+                return f"{name}.forward passes {kw.arg}={ast.unparse(kw.value)} to {body_src} (not its own argument)"
             passed.add(kw.arg)
         if "labels" in passed:
             self.body_labels = True              # Gemma 3 / PaliGemma: the body reads the labels too
@@ -157,7 +230,7 @@ class ForwardShape:
         passed.discard("return_dict")
         if passed != expected:
             diff = sorted(passed ^ expected)
-            return f"{name}.forward does not pass its arguments through to self.model unchanged ({', '.join(diff)})"
+            return f"{name}.forward does not pass its arguments through to {body_src} unchanged ({', '.join(diff)})"
         if self.output_cls is None:
             return f"{name}.forward does not return an output object the fused loss can rebuild"
         try:
@@ -169,6 +242,34 @@ class ForwardShape:
             return f"{name}.forward returns {self.output_cls.__name__} without loss/logits fields"
         self.output_fields = [f for f in fields if f not in ("loss", "logits")]
         return None
+
+
+def _loss_params() -> set[str]:
+    """The parameters HF's ForCausalLMLoss (and fixed_cross_entropy, which it passes its **kwargs
+    to) reads; another keyword is swallowed by their **kwargs, unread."""
+    from transformers.loss import loss_utils
+
+    names = set()
+    for f in (loss_utils.ForCausalLMLoss, loss_utils.fixed_cross_entropy):
+        names |= {p.name for p in inspect.signature(f).parameters.values() if p.kind is not p.VAR_KEYWORD}
+    return names
+
+
+def _ignored_loss_kwargs(fn: ast.AST) -> set[ast.AST]:
+    """The nodes of keyword arguments of ``self.loss_function(...)`` that ForCausalLMLoss does not read
+    (XGLM's ``pad_token_id=self.config.pad_token_id``): reading them changes nothing the loss computes
+    (the loss function is checked to be ForCausalLMLoss: :func:`_standard_loss`)."""
+    out: set[ast.AST] = set()
+    known = None
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and _src(n.func) == "self.loss_function":
+            for k in n.keywords:
+                if k.arg is None:
+                    continue
+                known = _loss_params() if known is None else known
+                if k.arg not in known:
+                    out |= set(ast.walk(k.value))
+    return out
 
 
 def _src(node: ast.AST) -> str:
@@ -223,7 +324,8 @@ def _is_tanh(e: ast.expr) -> ast.expr | None:
     return None
 
 
-def _read_head(fn: ast.AST, name: str, aux_var: str | None = None) -> tuple[list[tuple[str, str, str]], str | None]:
+def _read_head(fn: ast.AST, name: str, aux_var: str | None = None,
+               body_src: str = "self.model") -> tuple[list[tuple[str, str, str]], str | None]:
     """The steps of ``fn`` (a causal LM's forward) from its body's output to its loss.
 
     Every assignment to ``hidden_states``, to the variable the lm_head call is assigned to and to
@@ -232,10 +334,10 @@ def _read_head(fn: ast.AST, name: str, aux_var: str | None = None) -> tuple[list
     multiplication or division by a known scalar, the known tanh softcapping, ``loss = None`` and
     ``loss = self.loss_function(<logits>, ...)``; anything else is the reason returned.
     """
-    body_line = min((n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and _src(n.func) == "self.model"),
+    body_line = min((n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and _src(n.func) == body_src),
                     default=None)
     if body_line is None:
-        return [], f"{name}.forward does not call self.model"
+        return [], f"{name}.forward does not call {body_src}"
     stmts = sorted((n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
                     and n.lineno > body_line), key=lambda n: (n.lineno, n.col_offset))
     head = next((n for n in stmts if any(isinstance(c, ast.Call) and _src(c.func) == "self.lm_head"
@@ -367,6 +469,40 @@ MOE_SELF_ATTRS = {"router_aux_loss_coef", "num_experts", "num_experts_per_tok"}
 MOE_CONFIG_ATTRS = {"output_router_logits"}
 _AUX_ARGS = {"self.num_experts", "self.num_experts_per_tok", "attention_mask", "self.config.num_experts",
              "self.config.num_local_experts", "self.config.num_experts_per_tok"}
+# pure functions an argument may apply to those (Doge: math.floor(math.sqrt(self.num_experts)))
+_AUX_FUNCS = {"math.floor", "math.sqrt", "math.ceil", "int"}
+
+
+def _aux_arg_ok(e: ast.expr) -> bool:
+    """``e`` is one of :data:`_AUX_ARGS`, or :data:`_AUX_FUNCS` applied to such arguments."""
+    if _src(e) in _AUX_ARGS:
+        return True
+    return (isinstance(e, ast.Call) and _src(e.func) in _AUX_FUNCS and not e.keywords and len(e.args) == 1
+            and _aux_arg_ok(e.args[0]))
+
+
+def read_router_flag(fn: ast.AST) -> list[str] | None:
+    """The config flags and-ed to ``output_router_logits`` where ``fn`` resolves it as
+    ``output_router_logits if output_router_logits is not None else self.config.output_router_logits``
+    (``[]``, or ``["is_moe"]`` for Doge's ``(...) and self.config.is_moe``); None when it does not
+    (then any read of config.output_router_logits refuses the site, naming it)."""
+    std = "output_router_logits if output_router_logits is not None else self.config.output_router_logits"
+    for n in ast.walk(fn):
+        if not (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id == "output_router_logits"):
+            continue
+        v = n.value
+        if _src(v) == std:
+            return []
+        if isinstance(v, ast.BoolOp) and isinstance(v.op, ast.And) and _src(v.values[0]) == std:
+            ands = []
+            for x in v.values[1:]:
+                if not (isinstance(x, ast.Attribute) and _src(x.value) == "self.config"):
+                    return None
+                ands.append(x.attr)
+            return ands
+        return None
+    return None
 
 
 def read_router_loss(fn: ast.AST, globals_: Mapping[str, Any], name: str) -> tuple[dict | None, str | None]:
@@ -380,7 +516,7 @@ def read_router_loss(fn: ast.AST, globals_: Mapping[str, Any], name: str) -> tup
         return None, f"{name}.forward computes its router loss in a way the fused loss does not replay"
     call = calls[0]
     args = [_src(a) for a in call.args[1:]]
-    if call.keywords or any(a not in _AUX_ARGS for a in args):
+    if call.keywords or not all(_aux_arg_ok(a) for a in call.args[1:]):
         return None, (f"{name}.forward calls {_src(call.func)}({', '.join(_src(a) for a in call.args)}), "
                       "arguments the fused loss does not replay")
     func = globals_.get(call.func.id)
@@ -419,8 +555,25 @@ def router_loss(host: Any, shape: "ForwardShape", outputs: Any, a: Mapping[str, 
     router_logits = outputs.get("router_logits") if hasattr(outputs, "get") else getattr(outputs, "router_logits", None)
     if router_logits is None:        # a body that recorded none (HF's function would return the int 0)
         return None
-    args = [a.get(src) if not src.startswith("self.") else _read_value(host, src) for src in aux["args"]]
+    args = [_aux_value(host, src, a) for src in aux["args"]]
     return aux["func"](router_logits, *args)
+
+
+def _aux_value(host: Any, source: str, a: Mapping[str, Any]) -> Any:
+    """The value of a router-loss argument (:func:`_aux_arg_ok`: a call's argument, ``self.x.y``, or
+    math functions of those) for ``host`` and the call's arguments ``a``."""
+    import math
+
+    e = ast.parse(source, mode="eval").body
+
+    def ev(e: ast.expr) -> Any:
+        src = _src(e)
+        if src in _AUX_ARGS:
+            return a.get(src) if not src.startswith("self.") else _read_value(host, src)
+        f = {"math.floor": math.floor, "math.sqrt": math.sqrt, "math.ceil": math.ceil, "int": int}[_src(e.func)]
+        return f(ev(e.args[0]))
+
+    return ev(e)
 
 
 def _read_value(host: Any, source: str) -> Any:
@@ -451,6 +604,8 @@ def head_transform(host: Any) -> tuple[dict[str, Any] | None, str | None]:
         except AttributeError:
             return None, f"{type(host).__name__}.forward reads {source}, which this model does not have"
         if v is None:
+            if kind == "softcap" and source in UNGUARDED_SOFTCAPS:
+                return None, f"{source} is None ({type(host).__name__}.forward softcaps by it unconditionally)"
             if kind == "softcap":
                 continue                       # `if ... is not None:` around it in every known forward
             return None, f"{source} is None ({type(host).__name__}.forward scales by it)"
@@ -510,8 +665,8 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
     """Why the live causal LM ``host`` cannot take ``op`` (None if it can)."""
     import torch
 
-    if not hasattr(host, "lm_head") or not hasattr(host, "model") or getattr(host, "config", None) is None:
-        return "not a causal LM (needs self.model, self.lm_head and self.config)"
+    if not looks_causal_lm(host):
+        return "not a causal LM (needs self.model (or its base model), self.lm_head and self.config)"
     lm = unwrap(host.lm_head)
     if not isinstance(lm, torch.nn.Linear):
         if linear_like(lm) is not None:
