@@ -204,7 +204,7 @@ def image_recipe(model: Any, *, batch: int = 1, seq: int = 8, tries: int = 3) ->
     p0 = next(model.parameters(), None)
     device = p0.device if p0 is not None else "cpu"
     dtype = p0.dtype if p0 is not None and p0.is_floating_point() else torch.float32
-    last = ""
+    last = sized = ""
     for _ in range(tries):
         b = r.batch(torch.Generator().manual_seed(0), batch, seq, device)
         b = {k: (v.to(dtype) if hasattr(v, "is_floating_point") and v.is_floating_point() else v)
@@ -218,6 +218,7 @@ def image_recipe(model: Any, *, batch: int = 1, seq: int = 8, tries: int = 3) ->
             m = _MISMATCH.search(str(e))
             if not m and "image_sizes" in r.keys:     # a tower that reads no sizes (Llava's CLIP): without them
                 r.keys = tuple(k for k in r.keys if k != "image_sizes")
+                sized = f"with image_sizes: {last}; without: "
                 continue
             if not m or int(m.group(2)) % batch or int(m.group(2)) // batch in (0, r.per_image):
                 break
@@ -225,4 +226,4 @@ def image_recipe(model: Any, *, batch: int = 1, seq: int = 8, tries: int = 3) ->
             r.how = "read from the model's features / tokens check"
     for k, v in old.items():     # leave the config as it was
         setattr(model.config, k, v)
-    return None, f"an image batch built from its config did not run ({r.describe()}): {last}"
+    return None, f"an image batch built from its config did not run ({r.describe()}): {sized}{last}"
