@@ -225,7 +225,7 @@ def suggest(model: Any, *, dtypes: tuple[str, ...] = ("bf16", "fp32"), target: s
     :mod:`patchdsl.parity.images`); None leaves them out with :data:`VISION_REASON`; a string leaves
     them out with it as the reason no image batch can be built."""
     vision = {} if images is True else vision_modules(model, images if isinstance(images, str) else None)
-    skip = {**vision, **dict(skip or {})}
+    skip = {**dict(skip or {}), **vision}      # the vision tower's reason (no images) before "did not run"
     from .ops.registry import get_op
     from .planner import model_checker
 
