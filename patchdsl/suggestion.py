@@ -392,8 +392,7 @@ def vision_modules(model: Any, why: str | None = None) -> dict[str, str]:
         return {}
     keep = (tower, "lm_head")
     reason = VISION_REASON if why is None else (
-        f"outside the language tower of a vision-language model: it runs only on batches with images, and "
-        f"none can be built for this model ({why}): left alone")
+        f"vision tower / projector, runs only on images; no image batch runs on this model: {why}: left alone")
     return {n: reason for n, _ in model.named_modules()
             if n and not any(n == k or n.startswith(k + ".") or k.startswith(n + ".") for k in keep)}
 

@@ -11,7 +11,8 @@ extra inputs the family's forward takes.  Two layouts cover the Hugging Face fam
 * **square** (Llava, PaliGemma, Gemma 3, SigLIP / CLIP towers ...): ``pixel_values [B, C, S, S]``
   with ``S = vision_config.image_size``; the token count is ``mm_tokens_per_image`` when the config
   states it, else ``(S / patch_size)^2``; ``image_sizes`` and ``token_type_ids`` (1 on image tokens)
-  where the forward takes them.
+  where the forward takes them; a forward taking ``pixel_attention_mask`` (Idefics3, SmolVLM) gets
+  ``[B, 1, C, S, S]`` and an all-ones pixel mask.
 
 Each sequence holds one image: ``[2 text tokens][begin][image tokens][end][text up to seq]`` (at
 least 4 text tokens after the image, so a sequence may be longer than ``seq``).  Image and special
@@ -22,7 +23,7 @@ verify's own copies of the model (``ImageRecipe.configure``).
 The recipe is checked by one forward of the model (no gradient).  When the forward reports
 "Image features and image tokens do not match, tokens: T, features: F" (the check most
 transformers VLMs make), the count is read from the message and the batch rebuilt (at most
-twice): a family whose token count the config does not state (a pixel shuffle, a dropped CLS
+three times; a count that is the features' values, not their rows, is divided by the hidden size): a family whose token count the config does not state (a pixel shuffle, a dropped CLS
 token) is found that way.  Any other failure is the reason the family gets no image batch
 (:func:`image_recipe` returns it; verify says it).
 """
@@ -101,6 +102,9 @@ class ImageRecipe:
             n = int(thw.prod(-1).sum())
             out["pixel_values"] = torch.randn(n, self.channels * tp * ps * ps, generator=gen)
             out["image_grid_thw"] = thw
+        elif "pixel_attention_mask" in self.keys:      # Idefics3 / SmolVLM: [B, images, C, S, S] and a pixel mask
+            out["pixel_values"] = torch.randn(batch, 1, self.channels, self.size, self.size, generator=gen)
+            out["pixel_attention_mask"] = torch.ones(batch, 1, self.size, self.size, dtype=torch.bool)
         else:
             out["pixel_values"] = torch.randn(batch, self.channels, self.size, self.size, generator=gen)
         if "image_sizes" in self.keys:
@@ -165,7 +169,8 @@ def plan_recipe(model: Any) -> tuple[ImageRecipe | None, str]:
     token = ids[tok_attr]
     begin = ids.get(begin_attr) if begin_attr else None
     end = ids.get(end_attr) if end_attr else None
-    keys = tuple(k for k in ("image_sizes", "token_type_ids", "mm_token_type_ids", "image_grid_thw") if k in params)
+    keys = tuple(k for k in ("image_sizes", "token_type_ids", "mm_token_type_ids", "image_grid_thw",
+                             "pixel_attention_mask") if k in params)
     channels = _int(getattr(vc, "num_channels", None)) or _int(getattr(vc, "in_channels", None)) or 3
     common = dict(token=token, channels=channels, begin=begin, end=end, keys=keys, remap=remap, vocab=vocab)
     ps, tp, ms = (_int(getattr(vc, a, None)) for a in ("patch_size", "temporal_patch_size", "spatial_merge_size"))
@@ -190,7 +195,7 @@ def _short(e: BaseException, n: int = 160) -> str:
     return f"{type(e).__name__}: {s[:n]}" + ("..." if len(s) > n else "")
 
 
-def image_recipe(model: Any, *, batch: int = 1, seq: int = 8, tries: int = 3) -> tuple[ImageRecipe | None, str]:
+def image_recipe(model: Any, *, batch: int = 1, seq: int = 8, tries: int = 4) -> tuple[ImageRecipe | None, str]:
     """A recipe whose batch ``model`` (real weights) runs, or ``(None, reason)``.  ``model``'s config gets
     the recipe's ``remap`` (pass verify's own copy).  Runs the model forward without gradient up to
     ``tries`` times, reading the token count from a features / tokens mismatch message."""
@@ -205,6 +210,8 @@ def image_recipe(model: Any, *, batch: int = 1, seq: int = 8, tries: int = 3) ->
     device = p0.device if p0 is not None else "cpu"
     dtype = p0.dtype if p0 is not None and p0.is_floating_point() else torch.float32
     last = sized = ""
+    tc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden = _int(getattr(tc, "hidden_size", None)) or 0
     for _ in range(tries):
         b = r.batch(torch.Generator().manual_seed(0), batch, seq, device)
         b = {k: (v.to(dtype) if hasattr(v, "is_floating_point") and v.is_floating_point() else v)
@@ -220,10 +227,15 @@ def image_recipe(model: Any, *, batch: int = 1, seq: int = 8, tries: int = 3) ->
                 r.keys = tuple(k for k in r.keys if k != "image_sizes")
                 sized = f"with image_sizes: {last}; without: "
                 continue
-            if not m or int(m.group(2)) % batch or int(m.group(2)) // batch in (0, r.per_image):
+            if not m or int(m.group(2)) % batch or int(m.group(2)) // batch == 0:
                 break
-            r.per_image = int(m.group(2)) // batch
+            n = int(m.group(2)) // batch
+            if n == r.per_image:     # "features" counted every feature value (Mistral 3): per hidden unit
+                n, rest = divmod(n, hidden) if hidden else (0, 1)
+                if rest or n in (0, r.per_image):
+                    break
+            r.per_image = n
             r.how = "read from the model's features / tokens check"
     for k, v in old.items():     # leave the config as it was
         setattr(model.config, k, v)
-    return None, f"an image batch built from its config did not run ({r.describe()}): {sized}{last}"
+    return None, f"{sized}{last} (an image batch built from its config: {r.describe()})"
