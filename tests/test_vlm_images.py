@@ -52,6 +52,8 @@ FAMILIES = {
     "paligemma": ("square", "(image_size / patch_size)^2"),
     "aya_vision": ("square", "read from the model's features / tokens check"),     # a pixel shuffle
     "glm4v": ("grid", "(2m x 2m patches) / m^2"),
+    "idefics3": ("square", "read from the model's features / tokens check"),     # [B, 1, C, S, S] + pixel mask
+    "mistral3": ("square", "read from the model's features / tokens check"),     # "features" = values / hidden
 }
 
 
@@ -149,12 +151,12 @@ def test_a_family_no_recipe_fits_gives_its_reason():
     verify's default falls back to text and says so."""
     m = model_of("llava_next")
     r, why = image_recipe(m)
-    assert r is None and "did not run" in why and "RuntimeError" in why
+    assert r is None and "with image_sizes: RuntimeError" in why and "an image batch built from its config" in why
     spec = "*.language_model.norm: RMSNorm -> fused_rmsnorm\n"
-    with pytest.raises(VerifyError, match=r"cannot feed images to LlavaNextForConditionalGeneration: an image batch"):
+    with pytest.raises(VerifyError, match=r"cannot feed images to LlavaNextForConditionalGeneration: with image_sizes: RuntimeError"):
         verify(spec, lambda: model_of("llava_next"), dtype="fp32", batch=1, seq=8, device="cpu", images=True)
     rep = verify(spec, lambda: model_of("llava_next"), dtype="fp32", batch=1, seq=8, device="cpu")
-    assert rep.passed and not rep.images["fed"] and "did not run" in rep.images["reason"]
+    assert rep.passed and not rep.images["fed"] and "RuntimeError" in rep.images["reason"]
     assert "images: none fed, text only" in "\n".join(rep.plain_lines())
 
 
