@@ -256,6 +256,36 @@ def _image_recipe(model):
     return image_recipe(model, batch=1, seq=8)
 
 
+def image_batch_check(config) -> tuple[bool | None, str]:
+    """Whether verify's image batch (:mod:`patchdsl.parity.images`) runs on a tiny model shrunk from
+    ``config`` (a copy; random weights, CPU): (True, ""), (False, why not), or (None, why it was not
+    tried: the shrunk model does not build or is still large).  ``patchdsl suggest`` asks this before
+    keeping a vision tower's rules, so that verify of its suggestion can judge them."""
+    import copy
+    import logging
+    import warnings
+
+    from .models.loading import tiny_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            cfg = copy.deepcopy(config)
+            cfg = shrink_composite(cfg, tiny_config) if hasattr(getattr(cfg, "text_config", None), "to_dict") \
+                else _tiny(cfg, tiny_config)
+            cfg._attn_implementation = "eager"
+            if _meta_params(cfg) > MAX_TINY_PARAMS:
+                return None, "its shrunk config is still large: not tried"
+            model = build(cfg)
+        except Exception as e:
+            return None, f"a tiny model of its config does not build: {_short(e)}"
+        finally:
+            logging.disable(logging.NOTSET)
+        r, why = _image_recipe(model)
+    return r is not None, why
+
+
 def _trains(model) -> None:
     """One unpatched forward and backward with labels: a tiny config the family cannot run is no
     finding about patchdsl (it is reported as such)."""

@@ -658,12 +658,20 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
     from .suggestion import suggest as run_suggest
 
     loaded = _load_model(model, meta=True, log=lambda m: None)
-    vision = None
-    if images is not False:
+    vision: bool | str | None = None
+    if images is not False and getattr(loaded.model.config, "vision_config", None) is not None:
+        # keep the vision tower's rules only where verify's image batch runs (tried on a tiny model of
+        # this config: the layout depends on the family, not on the widths), unless --images insists
         recipe, why = plan_recipe(loaded.model)
-        if recipe is None and images and getattr(loaded.model.config, "vision_config", None) is None:
-            raise UsageFailure(f"--images: {why}")
+        if recipe is not None and not images:
+            from .census import image_batch_check
+
+            ok, why2 = image_batch_check(loaded.model.config)
+            recipe, why = (recipe, "") if ok is not False else (None, why2)
         vision = True if (recipe is not None or images) else why
+    elif images:
+        raise UsageFailure(f"--images: {type(loaded.model).__name__} is not a vision-language model "
+                           "(its config has no vision_config)")
     s = run_suggest(loaded.model, name=model, images=vision)
     if out:
         try:

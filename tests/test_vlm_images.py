@@ -184,3 +184,37 @@ def test_images_asked_of_a_text_only_model_exits_2(tmp_path):
     assert r.exit_code == 2, (r.output, r.exception)
     assert not isinstance(r.exception, Exception) or isinstance(r.exception, SystemExit), r.exception
     assert "not a vision-language model" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("family,extra,included", [
+    ("llava", [], True),                   # an image batch runs: the vision tower's rules are kept
+    ("llava", ["--text-only"], False),
+    ("llava_next", [], False),             # none runs: left out, with the reason
+    ("llava_next", ["--images"], True),    # insisted on
+])
+def test_cli_suggest_keeps_the_vision_tower_where_verify_can_feed_it(family, extra, included, tmp_path):
+    from patchdsl.census import tiny_family_config
+    from patchdsl.cli import main
+    from patchdsl.suggestion import VISION_REASON
+
+    p = tmp_path / "config.json"
+    tiny_family_config(family).to_json_file(str(p))
+    r = CliRunner().invoke(main, ["suggest", "--model", str(p), *extra])
+    assert r.exit_code == 0, (r.output, r.exception)
+    rules = [ln for ln in r.output.splitlines() if "->" in ln and not ln.startswith("#")]
+    assert any("model.vision_tower." in ln for ln in rules) == included, r.output
+    if not included:
+        why = VISION_REASON if "--text-only" in extra else "no image batch runs on this model: with image_sizes"
+        assert why in r.output, r.output
+
+
+def test_cli_suggest_images_on_a_text_only_model_exits_2(tmp_path):
+    import json
+
+    from patchdsl.cli import main
+    from tests.families import tiny_config
+
+    p = tmp_path / "llama.json"
+    p.write_text(json.dumps(tiny_config("llama").to_dict()))
+    r = CliRunner().invoke(main, ["suggest", "--model", str(p), "--images"])
+    assert r.exit_code == 2 and "not a vision-language model" in r.output, (r.output, r.exception)
