@@ -137,7 +137,7 @@ def test_suggest_without_images_leaves_the_tower_out_with_the_reason():
     r, why = image_recipe(m)
     assert r is None
     s = suggest(m, dtypes=("fp32",), images=why)
-    assert "no image batch runs on this model: RuntimeError" in s.text and VISION_REASON not in s.text
+    assert "no image batch runs on this model: with image_sizes: RuntimeError" in s.text and VISION_REASON not in s.text
     assert not set(s.patched) & vision_paths(m)
     s = suggest(m, dtypes=("fp32",))
     assert VISION_REASON in s.text

@@ -209,6 +209,17 @@ def image_recipe(model: Any, *, batch: int = 1, seq: int = 8, tries: int = 4) ->
     p0 = next(model.parameters(), None)
     device = p0.device if p0 is not None else "cpu"
     dtype = p0.dtype if p0 is not None and p0.is_floating_point() else torch.float32
+    was = model.training
+    model.eval()        # no running statistics (a BatchNorm in a vision tower) moved by the check
+    try:
+        return _try(model, r, old, batch, seq, tries, device, dtype)
+    finally:
+        model.train(was)
+
+
+def _try(model, r, old, batch, seq, tries, device, dtype) -> tuple[ImageRecipe | None, str]:
+    import torch
+
     last = sized = ""
     tc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     hidden = _int(getattr(tc, "hidden_size", None)) or 0
