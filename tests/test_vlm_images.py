@@ -99,6 +99,7 @@ VISION_RULES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(VISION_RULES))
 def test_verify_judges_the_vision_towers_norms_and_mlps(family):
     rep = verify("dtype fp32\n" + VISION_RULES[family], lambda: model_of(family), dtype="fp32", batch=1, seq=8,
