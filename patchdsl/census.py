@@ -1,8 +1,9 @@
 """The coverage census: every causal-LM and vision-language family of the installed transformers,
 suggested, planned and verified on a tiny config (CPU), written as the table in ``docs/coverage.md``.
 A vision-language family is built as its image-text-to-text model (``...ForConditionalGeneration``)
-and run on text alone: its language tower, LM head and loss are what the row measures (its vision
-tower does not run, so it is left out of the suggestion).
+and run on an image batch built from its config (:mod:`patchdsl.parity.images`): its vision tower and
+projector are suggested and verified with the language tower, LM head and loss.  A family for which
+no image batch runs is run on text alone; its vision modules are left out with that reason.
 
     python -m patchdsl.census                      # every family, writes docs/coverage.md
     python -m patchdsl.census llama olmo2 --no-verify --out -   # some families, to stdout
@@ -205,10 +206,13 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
                 row.notes.append(f"the tiny model does not train unpatched: {_short(e)}")
                 row.verify = "-"
                 return row
+            recipe, why = _image_recipe(model)
             try:
                 from .suggestion import modules_not_run
 
-                s = suggest(model, dtypes=("fp32",), skip=modules_not_run(model))
+                inputs = recipe.batch(__import__("torch").Generator().manual_seed(0), 1, 8) if recipe else None
+                s = suggest(model, dtypes=("fp32",), skip=modules_not_run(model, inputs=inputs),
+                            images=True if recipe is not None else (why or None))
             except Exception as e:
                 row.notes.append(f"suggest failed: {_short(e)}")
                 return row
@@ -221,7 +225,8 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
                 from .parity import verify as run_verify
 
                 try:
-                    rep = run_verify(s.text, lambda: build(cfg), dtype="fp32", batch=1, seq=8, device="cpu")
+                    rep = run_verify(s.text, lambda: build(cfg), dtype="fp32", batch=1, seq=8, device="cpu",
+                                     images=recipe is not None)
                     row.verify = "pass" if rep.passed else "FAIL"
                     if not rep.passed:
                         bad = [r.path for r in rep.failures()][:3] if hasattr(rep, "failures") else []
@@ -239,6 +244,46 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
             signal.signal(signal.SIGALRM, old)
         logging.disable(logging.NOTSET)
     return row
+
+
+def _image_recipe(model):
+    """(the image recipe, "") for a vision-language model an image batch runs on; (None, why not) for
+    one it does not; (None, "") for a text-only model."""
+    if getattr(model.config, "vision_config", None) is None:
+        return None, ""
+    from .parity.images import image_recipe
+
+    return image_recipe(model, batch=1, seq=8)
+
+
+def image_batch_check(config) -> tuple[bool | None, str]:
+    """Whether verify's image batch (:mod:`patchdsl.parity.images`) runs on a tiny model shrunk from
+    ``config`` (a copy; random weights, CPU): (True, ""), (False, why not), or (None, why it was not
+    tried: the shrunk model does not build or is still large).  ``patchdsl suggest`` asks this before
+    keeping a vision tower's rules, so that verify of its suggestion can judge them."""
+    import copy
+    import logging
+    import warnings
+
+    from .models.loading import tiny_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            cfg = copy.deepcopy(config)
+            cfg = shrink_composite(cfg, tiny_config) if hasattr(getattr(cfg, "text_config", None), "to_dict") \
+                else _tiny(cfg, tiny_config)
+            cfg._attn_implementation = "eager"
+            if _meta_params(cfg) > MAX_TINY_PARAMS:
+                return None, "its shrunk config is still large: not tried"
+            model = build(cfg)
+        except Exception as e:
+            return None, f"a tiny model of its config does not build: {_short(e)}"
+        finally:
+            logging.disable(logging.NOTSET)
+        r, why = _image_recipe(model)
+    return r is not None, why
 
 
 def _trains(model) -> None:
@@ -296,8 +341,9 @@ def render(rows: list[Row], *, total: int | None = None, date: str | None = None
              "`patchdsl suggest`, the suggestion planned, and `patchdsl verify` of it (batch 1 x 8 tokens)"
              + ("" if verify else " (not run: --no-verify)") + ".",
              "Each count is modules patched / modules present (q_norm/k_norm fused into attention count as "
-             "patched norms; modules a text-only forward does not call, such as a vision-language model's vision "
-             "tower, count as present and unpatched: verify cannot judge them); `not covered` gives the first "
+             "patched norms; a vision-language family runs on an image batch built from its config, so its vision "
+             "tower counts; modules its forward does not call, such as the vision tower of a family no image "
+             "batch runs on, count as present and unpatched: verify cannot judge them); `not covered` gives the first "
              "reason per concern, or why the family has no row.", ""]
     if total is not None and total > len(rows):
         lines += [f"**Partial run: {len(rows)} of {total} families.**", ""]

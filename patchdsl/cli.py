@@ -511,10 +511,15 @@ def _run_json(r, speed: bool) -> dict:
 @click.option("--reference", type=click.Choice(["auto", "whole", "streamed"]), default="auto", show_default=True,
               help="The float64 reference: a copy of the whole model, or streamed one decoder layer at a time "
                    "(for models whose float64 copy does not fit); auto picks by a memory estimate.")
+@click.option("--images/--text-only", "images", default=None,
+              help="Vision-language models: feed an image batch built from the config, so the vision tower runs "
+                   "and its sites are judged (default: images when a batch runs, else text only with the "
+                   "reason; --images fails with the reason instead), or text only.")
 @json_option
 @click.option("--progress", is_flag=True, help="Say on stderr what runs, with elapsed seconds.")
 @include_dir_option
-def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, reference, as_json, progress) -> None:
+def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, reference, images, as_json,
+           progress) -> None:
     """Prove gradient parity of the patched model against a float64 reference."""
     from .parity import verify as run_verify
     from .parity.stream import VerifyError, build_dtype
@@ -552,7 +557,7 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, re
 
     try:
         report = run_verify(sp, factory, dtype=dtype, batch=batch, seq=seq, steps=steps, seed=seed, device=device,
-                            layers=layers, reference=reference, log=say if progress else None)
+                            layers=layers, reference=reference, images=images, log=say if progress else None)
     except VerifyError as e:           # out of memory, or a reference that cannot run as asked
         raise UsageFailure(str(e)) from None
     if progress:
@@ -644,12 +649,30 @@ def inspect_cmd(model: str, everything: bool, no_fold: bool, as_json: bool) -> N
 @main.command("suggest")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
 @click.option("--out", "out", type=click.Path(dir_okay=False), help="Write the spec to this file (default: print it).")
-def suggest_cmd(model: str, out: str | None) -> None:
+@click.option("--images/--text-only", "images", default=None,
+              help="Vision-language models: include the vision tower's rules (verify feeds it an image batch) "
+                   "or leave it out (default: included when an image batch can be built from the config).")
+def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
     """Print the spec that patches everything patchdsl can on a model, with the reason for each module it cannot."""
+    from .parity.images import plan_recipe
     from .suggestion import suggest as run_suggest
 
     loaded = _load_model(model, meta=True, log=lambda m: None)
-    s = run_suggest(loaded.model, name=model)
+    vision: bool | str | None = None
+    if images is not False and getattr(loaded.model.config, "vision_config", None) is not None:
+        # keep the vision tower's rules only where verify's image batch runs (tried on a tiny model of
+        # this config: the layout depends on the family, not on the widths), unless --images insists
+        recipe, why = plan_recipe(loaded.model)
+        if recipe is not None and not images:
+            from .census import image_batch_check
+
+            ok, why2 = image_batch_check(loaded.model.config)
+            recipe, why = (recipe, "") if ok is not False else (None, why2)
+        vision = True if (recipe is not None or images) else why
+    elif images:
+        raise UsageFailure(f"--images: {type(loaded.model).__name__} is not a vision-language model "
+                           "(its config has no vision_config)")
+    s = run_suggest(loaded.model, name=model, images=vision)
     if out:
         try:
             Path(out).write_text(s.text)

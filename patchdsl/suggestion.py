@@ -216,11 +216,16 @@ def _fmt_rule(c: Candidate, sels: list[str]) -> str:
 
 
 def suggest(model: Any, *, dtypes: tuple[str, ...] = ("bf16", "fp32"), target: str | None = None,
-            name: str | None = None, skip: Mapping[str, str] | None = None) -> Suggestion:
+            name: str | None = None, skip: Mapping[str, str] | None = None,
+            images: bool | str | None = None) -> Suggestion:
     """The suggested spec for ``model`` (a module; the meta device is fine).  See the module doc.
     ``skip``: module paths to leave out, with the reason listed for them (the census passes the modules
-    that did not run in a forward of the model: :func:`modules_not_run`)."""
-    skip = {**vision_modules(model), **dict(skip or {})}
+    that did not run in a forward of the model: :func:`modules_not_run`).  ``images`` (vision-language
+    models): True includes the vision tower and projector (verify feeds them an image batch:
+    :mod:`patchdsl.parity.images`); None leaves them out with :data:`VISION_REASON`; a string leaves
+    them out with it as the reason no image batch can be built."""
+    vision = {} if images is True else vision_modules(model, images if isinstance(images, str) else None)
+    skip = {**dict(skip or {}), **vision}      # the vision tower's reason (no images) before "did not run"
     from .ops.registry import get_op
     from .planner import model_checker
 
@@ -368,13 +373,14 @@ def _rule_facts(c: Candidate, infos: list) -> str:
     return (" (" + ", ".join(parts) + ")") if parts else ""
 
 
-VISION_REASON = ("outside the language tower of a vision-language model: it runs only on batches with images, "
-                 "which verify does not feed (docs/language.md, vision-language models): left alone")
+VISION_REASON = ("outside the language tower of a vision-language model: it runs only on batches with images "
+                 "(suggest --images includes it; verify then feeds an image batch, docs/verify.md): left alone")
 
 
-def vision_modules(model: Any) -> dict[str, str]:
+def vision_modules(model: Any, why: str | None = None) -> dict[str, str]:
     """A vision-language model's modules outside its language tower and LM head (the vision tower, the
-    projector), each with :data:`VISION_REASON`; {} for a model without a ``vision_config``."""
+    projector), each with :data:`VISION_REASON` (or, given ``why`` no image batch can be built, a reason
+    saying so); {} for a model without a ``vision_config``."""
     cfg = getattr(model, "config", None)
     if getattr(cfg, "vision_config", None) is None:
         return {}
@@ -387,16 +393,20 @@ def vision_modules(model: Any) -> dict[str, str]:
     if not tower:
         return {}
     keep = (tower, "lm_head")
-    return {n: VISION_REASON for n, _ in model.named_modules()
+    reason = VISION_REASON if why is None else (
+        f"vision tower / projector, runs only on images; no image batch runs on this model: {why}: left alone")
+    return {n: reason for n, _ in model.named_modules()
             if n and not any(n == k or n.startswith(k + ".") or k.startswith(n + ".") for k in keep)}
 
 
 NOT_RUN_REASON = "did not run in a forward of this model (a path its configuration does not take): left alone"
 
 
-def modules_not_run(model: Any, *, seq: int = 8) -> dict[str, str]:
+def modules_not_run(model: Any, *, seq: int = 8, inputs: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Module paths of ``model`` (real weights, CPU) that one forward with labels does not call, each with
-    :data:`NOT_RUN_REASON`.  Patching them is harmless but verify cannot judge a site that never runs."""
+    :data:`NOT_RUN_REASON`.  Patching them is harmless but verify cannot judge a site that never runs.
+    ``inputs``: the batch to run (a vision-language model's image batch, as verify feeds it); default
+    ``seq`` random token ids."""
     import torch
 
     ran: set[str] = set()
@@ -405,10 +415,14 @@ def modules_not_run(model: Any, *, seq: int = 8) -> dict[str, str]:
     for n, m in model.named_modules():
         hooks.append(m.register_forward_pre_hook(lambda mod, _a, _n=n: ran.add(_n)))
     try:
-        vocab = int(model.config.get_text_config().vocab_size)
-        ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            model(input_ids=ids, labels=ids)
+        if inputs is not None:
+            with torch.no_grad():
+                model(**inputs)
+        else:
+            vocab = int(model.config.get_text_config().vocab_size)
+            ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                model(input_ids=ids, labels=ids)
     finally:
         for h in hooks:
             h.remove()

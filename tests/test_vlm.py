@@ -294,12 +294,15 @@ def test_vision_attention_is_refused_with_its_reason():
 
 
 def test_a_vision_rule_on_a_text_only_verify_is_not_judged_a_pass():
-    """Vision-tower sites do not run on the text-only batches ``patchdsl verify`` feeds: verify fails
-    them rather than passing what it did not see (why the shipped specs patch the language tower)."""
+    """Vision-tower sites do not run on a text-only batch (``verify --text-only``; by default verify feeds
+    a vision-language model an image batch, tests/test_vlm_images.py): verify fails them, saying why,
+    rather than passing what it did not see."""
     rep = verify(shipped_spec("qwen3_vl").read_text() + VISION_RULES["qwen3_vl"], lambda: vlm_model("qwen3_vl"),
-                 dtype="fp32", batch=1, seq=8, device="cpu")
+                 dtype="fp32", batch=1, seq=8, device="cpu", images=False)
     assert not rep.passed
-    assert {r.path for r in rep.failures()} >= {"model.visual.blocks.0.norm1", "model.visual.blocks.0.norm2"}
+    bad = {r.path: r.note for r in rep.failures()}
+    assert set(bad) >= {"model.visual.blocks.0.norm1", "model.visual.blocks.0.norm2"}
+    assert "did not run" in bad["model.visual.blocks.0.norm1"] and "text only asked" in bad["model.visual.blocks.0.norm1"]
 
 
 def test_paligemma_softcap_read_from_the_text_config_is_reproduced():

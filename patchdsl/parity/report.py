@@ -68,6 +68,7 @@ class ParityReport:
     attention: str | None = None          # the spec's attention implementation, when it sets one
     layers: dict[str, int] | None = None  # verify(layers=N): {"used": N, "of": the model's decoder layers}
     reference: dict[str, Any] = field(default_factory=dict)   # how the float64 reference was computed
+    images: dict[str, Any] | None = None  # a vision-language model: {"fed": bool, "batch": how / "reason": why not}
     memory: dict[str, Any] | None = None  # CUDA: {"peak_bytes", "device_total_bytes", "params", "dtype_bytes"}
     seconds: float | None = None
 
@@ -147,10 +148,17 @@ class ParityReport:
             "refused": list(self.refused), "refused_required": list(self.refused_required),
             "attention": self.attention,
             "layers": dict(self.layers) if self.layers else None,
+            "images": dict(self.images) if self.images else None,
             "reference": {k: _num(v) for k, v in self.reference.items()},
             "memory": dict(self.memory) if self.memory else None,
             "seconds": self.seconds,
         }
+
+    def images_line(self) -> str:
+        i = self.images or {}
+        if i.get("fed"):
+            return f"images: {i.get('batch')}"
+        return f"images: none fed, text only ({i.get('reason')})"
 
     def table(self):
         """The report as a ``rich.table.Table``."""
@@ -185,6 +193,8 @@ class ParityReport:
                        rows, right=(5, 6, 7, 8, 9))
         if self.attention:
             out.append(f"patched model ran with attention implementation {self.attention}")
+        if self.images:
+            out.append(self.images_line())
         out += [f"refused: {r}" for r in self.refused]
         out.append(self.verdict)
         return out
@@ -198,6 +208,8 @@ class ParityReport:
         console.print(self.table())
         if self.attention:
             console.print(f"patched model ran with attention implementation {self.attention}")
+        if self.images:
+            console.print(self.images_line())
         for r in self.refused:
             console.print(f"refused: {r}")
         if self.reference:

@@ -24,7 +24,7 @@ from .hooks import Capture, cast_to, run_host, run_site
 from .moe import eager_experts, is_routed_call, router_checks, routing_grads
 from .reference import float64_mode
 from .report import Check, ParityReport
-from .stream import (MODES, Float64Tally, StreamedReference, VerifyOutOfMemory, choose, decoder_layers, estimate,
+from .stream import (MODES, Float64Tally, VerifyError, StreamedReference, VerifyOutOfMemory, choose, decoder_layers, estimate,
                      truncate_layers)
 
 TORCH_DTYPES = ("fp32", "bf16", "fp16")
@@ -83,6 +83,43 @@ def _batch(gen: Any, vocab: int, batch: int, seq: int, device: Any) -> dict[str,
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)
     return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
             "labels": ids.clone().to(device), "use_cache": False}
+
+
+def _typed(b: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    """``b`` with its floating tensors (an image batch's pixels) in ``dtype``."""
+    if dtype is None:
+        return b
+    return {k: (v.to(dtype) if hasattr(v, "is_floating_point") and v.is_floating_point() else v)
+            for k, v in b.items()}
+
+
+def _images(images: bool | None, model: Any, others: list, mode: str, batch: int, seq: int,
+            say: Callable[[str], None]) -> tuple[Any, dict[str, Any] | None]:
+    """(the image recipe or None, what the report says about images) for ``verify(images=...)``; the
+    recipe's special ids are moved into the vocabulary on every copy (see :mod:`.images`)."""
+    from .images import image_recipe
+
+    vl = getattr(getattr(model, "config", None), "vision_config", None) is not None
+    if images is False:
+        return None, ({"fed": False, "reason": "text only asked (images=False / --text-only)"} if vl else None)
+    if not vl and images is None:
+        return None, None
+    if mode != "whole":
+        why = ("the streamed float64 reference runs the language tower's decoder layers alone; an image batch "
+               "needs the whole float64 reference (--reference whole, --layers N or a smaller model)")
+    else:
+        say("building an image batch from the config (one forward without gradient)")
+        recipe, why = image_recipe(model, batch=batch, seq=seq)
+        if recipe is not None:
+            for m in others:
+                recipe.configure(m)
+            say(f"images: {recipe.describe()}")
+            return recipe, {"fed": True, "batch": recipe.describe(), "layout": recipe.layout,
+                            "image_tokens": recipe.per_image}
+    if images:
+        raise VerifyError(f"verify cannot feed images to {type(model).__name__}: {why}")
+    say(f"images: none fed ({why})")
+    return None, {"fed": False, "reason": why}
 
 
 def _ctx(model: Any):
@@ -218,7 +255,7 @@ def _is_oom(e: BaseException) -> bool:
 def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int = 2, seq: int = 16,
            steps: int = 0, seed: int = 0, device: Any = None, target: str | None = None, lr: float = 1e-3,
            factor: float | None = None, floor: float | None = None, worst: int = 5,
-           layers: int | None = None, reference: str = "auto",
+           layers: int | None = None, reference: str = "auto", images: bool | None = None,
            log: Callable[[str], None] | None = None) -> ParityReport:
     """Check that ``spec`` applied to the model keeps forward values and gradients as accurate
     (against float64) as the unpatched model in ``dtype``.  Returns a :class:`ParityReport`;
@@ -232,6 +269,10 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
     first N decoder layers (a quick check of a large model at its real widths; the report says
     so).  ``reference``: "whole" (a float64 copy of the whole model), "streamed" (one decoder
     layer at a time, see :mod:`patchdsl.parity.stream`) or "auto" (whole when it fits).
+    ``images`` (vision-language models, see :mod:`.images`): None (default) feeds an image batch built
+    from the config when one runs and the reference is whole, else text only with the reason in
+    ``report.images``; True requires one (a :class:`~patchdsl.parity.stream.VerifyError` saying why
+    not); False feeds text only.
 
     Running out of memory raises :class:`~patchdsl.parity.stream.VerifyOutOfMemory` (a
     ``ValueError``) saying what to try; the CLI prints it and exits 2.
@@ -254,7 +295,7 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
     phase = ["building the models"]
     try:
         return _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, target, lr, factor, floor,
-                       worst, layers, reference, log, phase)
+                       worst, layers, reference, log, phase, images)
     except Exception as e:       # out of memory anywhere: a message saying what to try
         if not _is_oom(e):
             raise
@@ -279,7 +320,7 @@ def _oom_message(e: BaseException, phase: str, device: Any, dtype: str, batch: i
 
 
 def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, target, lr, factor, floor, worst,
-            layers, reference, log, phase) -> ParityReport:
+            layers, reference, log, phase, images=None) -> ParityReport:
     import time
 
     import torch
@@ -332,6 +373,8 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
             _prepare(source, base_dt, _source_device(source, device))
     _prepare(hf, dt, device)
     _prepare(patched, dt, device)
+    recipe, images_info = _images(images, hf, [m for m in (ref, patched, source) if m is not None and m is not hf],
+                                  mode, batch, seq, say)
 
     stage("planning and applying the kernels")
     p = spec if isinstance(spec, PatchPlan) else make_plan(spec, patched, target=target, dtypes=(dtype,))
@@ -355,24 +398,26 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
                         for d in report.sites]
     report.attention = p.attention.impl if p.attention is not None else None
     report.layers = layers_info
+    report.images = images_info
     try:
         gen = torch.Generator().manual_seed(seed)
         vocab = _vocab(patched)
-        b0 = _batch(gen, vocab, batch, seq, device)
+        b0 = recipe.batch(gen, batch, seq, device) if recipe is not None else _batch(gen, vocab, batch, seq, device)
+        report.seq = int(b0["input_ids"].shape[1])      # an image batch's sequences hold the image tokens too
         router_off = _router_loss_off(hf) if mode != "whole" else {}
         if router_off:
             say("the streamed float64 reference records no router logits: the MoE auxiliary loss is left out "
                 "of all three copies (output_router_logits=False)")
             b0.update(router_off)
         ref_like = ref if ref is not None else source
-        extra = _op_inputs(live, ref_like, hf, patched, batch, seq, seed)   # e.g. a teacher for a distillation loss
+        extra = _op_inputs(live, ref_like, hf, patched, batch, report.seq, seed)   # e.g. a teacher for a distillation loss
         if extra:
             say(f"the patched ops take {', '.join(sorted(extra))}: the unpatched copies answer those calls "
                 "in plain PyTorch")
         lm_hosts = {s.host: _is_causal_lm(p, s.host) for s in live}
 
         if mode == "whole":
-            batches = {id(m): {**b0, **cast_to(extra, mdt, device)}
+            batches = {id(m): {**_typed(b0, mdt), **cast_to(extra, mdt, device)}
                        for m, mdt in ((ref, torch.float64), (hf, dt), (patched, dt))}
             # ---- whole-model runs; the float64 one also records every site's inputs ---------
             cap = Capture(ref, lm_hosts)
@@ -415,7 +460,9 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
             if c is None:
                 inf = float("inf")
                 report.rows.append(Check("site", s.path, s.op, "output", inf, inf, inf, float("nan"), float("nan"),
-                                         False, "the module did not run in the forward pass; nothing was compared"))
+                                         False, "the module did not run in the forward pass; nothing was compared"
+                                         + (f" (no images were fed: {images_info['reason']})"
+                                            if images_info and not images_info.get("fed") else "")))
                 continue
             is_lm = lm_hosts[s.host]
 
@@ -500,7 +547,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
         if steps:
             stage(f"{steps} training step(s)")
             if mode == "whole":
-                _steps(report, (ref, hf, patched), gen, vocab, batch, seq, steps, lr, device, tol, say, extra)
+                _steps(report, (ref, hf, patched), gen, vocab, batch, seq, steps, lr, device, tol, say, extra, recipe)
             else:
                 _first_step(report, stream, (hf, patched), gen, vocab, batch, seq, device, tol, extra, router_off)
         report.reference = {
@@ -608,7 +655,7 @@ def _op_inputs(live: list, ref: Any, hf: Any, patched: Any, batch: int, seq: int
 
 
 def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, device, tol, say,
-           extra: dict[str, Any] | None = None) -> None:
+           extra: dict[str, Any] | None = None, recipe: Any = None) -> None:
     """N AdamW steps on each model.  16-bit models keep fp32 master weights (the usual mixed-precision
     recipe: AdamW's state and eps do not fit fp16); the float64 reference steps its own weights."""
     import torch
@@ -625,7 +672,7 @@ def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, devi
         opts.append(torch.optim.AdamW(ms, lr=lr, foreach=False))
     losses: list[list[Any]] = [[], [], []]
     for i in range(steps):
-        b = _batch(gen, vocab, batch, seq, device)
+        b = recipe.batch(gen, batch, seq, device) if recipe is not None else _batch(gen, vocab, batch, seq, device)
         say(f"step {i + 1}/{steps}")
         for k, m in enumerate(models):
             for q in params[k]:
@@ -633,7 +680,7 @@ def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, devi
             p0 = next(m.parameters(), None)
             kw = cast_to(extra, p0.dtype, device) if extra and p0 is not None else {}
             with _ctx(m):
-                out = m(**b, **kw)
+                out = m(**_typed(b, p0.dtype if p0 is not None else None), **kw)
             out.loss.backward()
             if masters[k] is not params[k]:
                 for q, mq in zip(params[k], masters[k]):
