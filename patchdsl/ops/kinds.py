@@ -229,9 +229,59 @@ def _activation(act: Any) -> str | None:
     return None
 
 
+# ---- gated MLPs under other child names (issue 25, helper norms2) ----------------------------------
+# (gate, up, down) child names other than gate_proj / up_proj / down_proj: Mixtral's old and LFM2's w1 / w3 / w2
+GLU_NAME_SETS = (("w1", "w3", "w2"),)
+
+
+def _glu_other_names(m: Any) -> dict | None:
+    """Facts of a gated MLP whose children are one of :data:`GLU_NAME_SETS` (``names``: gate, up, down):
+    the activation is probed by running the class's forward on a float64 stand-in (LFM2 calls F.silu
+    inline; there is no activation child to probe)."""
+    torch = _torch()
+    for gn, un, dn in GLU_NAME_SETS:
+        gate, up, down = (linear_like(m._modules.get(n)) for n in (gn, un, dn))
+        if gate is None or up is None or down is None:
+            continue
+        hidden, inter = gate.in_features, gate.out_features
+        if up.in_features != hidden or up.out_features != inter or down.in_features != inter \
+                or down.out_features != hidden:
+            return None
+        g = torch.Generator().manual_seed(4)
+        h, i = 6, 10
+        lins = {}
+        for n, (a, b, src) in ((gn, (h, i, gate)), (un, (h, i, up)), (dn, (i, h, down))):
+            lin_ = torch.nn.Linear(a, b, bias=src.bias is not None, dtype=torch.float64)
+            with torch.no_grad():
+                lin_.weight.copy_(torch.randn(b, a, generator=g, dtype=torch.float64))
+                if lin_.bias is not None:
+                    lin_.bias.copy_(torch.randn(b, generator=g, dtype=torch.float64) * 0.5)
+            lins[n] = lin_
+        kids = {k: (lins[k] if k in lins else v) for k, v in m._modules.items()}
+        x = torch.randn(4, h, generator=g, dtype=torch.float64)
+        try:
+            out = _run_class_forward(m, stand_in(m, modules=kids, training=False), x)
+        except Exception:
+            return None
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+            return None
+        F = torch.nn.functional
+        with torch.no_grad():
+            gx, ux = lins[gn](x), lins[un](x)
+            for name, fn in (("silu", F.silu), ("gelu", F.gelu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))):
+                if torch.allclose(out, lins[dn](fn(gx) * ux), rtol=1e-9, atol=1e-12):
+                    bias = any(x_.bias is not None for x_ in (gate, up, down))
+                    return {"hidden": int(hidden), "intermediate": int(inter), "fused_gate_up": False,
+                            "bias": bool(bias), "activation": name, "names": [gn, un, dn]}
+        return None
+    return None
+
+
 def _glu(m: Any) -> dict | None:
     down = linear_like(getattr(m, "down_proj", None))
     act = getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
+    if down is None and any(m._modules.get(n[0]) is not None for n in GLU_NAME_SETS):
+        return _glu_other_names(m)
     if down is None or act is None:
         return None
     actname = _activation(act)
@@ -363,7 +413,8 @@ def mlp_probe(m: Any) -> tuple[dict | None, str]:
     pair = next(((u, d) for u, d in MLP_PAIRS if ch.get(u) is not None and ch.get(d) is not None), None)
     if pair is None:
         return None, "no up/down projection pair (" + ", ".join("/".join(p) for p in MLP_PAIRS) + ")"
-    if any(ch.get(n) is not None for n in ("gate_proj", "gate_up_proj", "experts")):
+    if any(ch.get(n) is not None for n in ("gate_proj", "gate_up_proj", "experts")) \
+            or any(all(ch.get(n) is not None for n in names) for names in GLU_NAME_SETS):
         return None, "a gated or mixture-of-experts MLP"
     up, down = pair
     pu, pd = projection(ch[up]), projection(ch[down])
