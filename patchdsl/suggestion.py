@@ -117,6 +117,8 @@ def _concern(info) -> str | None:
         return "loss"
     cls = info.cls
     leaf = _leaf(info.path) if info.path else ""
+    if cls in ("ModuleList", "ModuleDict"):
+        return None          # a container named like a norm (XLM's layer_norm1 list): its items are the sites
     if not info.path or "Linear" in ks or info.dtype is None:
         return None          # the root, a projection, or a module with no parameters (nn.Identity): nothing to fuse
     if re.search(r"(Norm|Norm1P|RMSNorm)$", cls) or re.search(r"(^|_)(norm|ln|layernorm)(_|$|\d)", leaf):
