@@ -158,3 +158,19 @@ def test_suggestion_verifies(family, rule):
     cfg = tiny_family_config(family)
     rep = verify(s.text, lambda: build(cfg), dtype="fp32", batch=1, seq=8, device="cpu")
     assert rep.passed, [r.path for r in rep.failures()]
+
+
+def tiny_qwen3_next():
+    """A tiny Qwen3-Next (one linear-attention layer with its gated norm, one full-attention layer), norm
+    weights drawn around 1 so that they matter (the generic suites' example of fused_rmsnorm_gated)."""
+    m = _family("qwen3_next")
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + 1.0)
+            # at the default init the delta rule's output (the gated norm's input) has an RMS of ~3e-5,
+            # below sqrt(eps): the norm would be eps-dominated and its dx nearly rstd * dy; scaled up, it is not
+            elif n.endswith("linear_attn.conv1d.weight") or n.endswith("linear_attn.in_proj_qkvz.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "conv1d" in n else 0.1))
+    return m
