@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .helpers import TORCH_DTYPES, assert_close, assert_kernel_globals_constexpr, kernel_for, rel_err
+from .helpers import DEVICE, TORCH_DTYPES, assert_close, assert_kernel_globals_constexpr, kernel_for, rel_err, sizes
 
 # (hidden, activation, casting): 64 fills its block; 48 leaves a masked tail of 16
 CASES = [(64, "silu", "llama"), (48, "silu", "llama"), (64, "sigmoid", "gemma"), (48, "silu", "gemma")]
 DTYPES = ["fp32", "bf16"]
+ROWS = sizes([(3, 7)], [(16, 2048)])[0]      # rows x heads of a layer: tiny on the interpreter, real on the GPU
 
 
 def _facts(hidden, activation, casting):
@@ -32,14 +33,14 @@ def reference(x, g, w, activation, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w * _act(activation)(g)
 
 
-def _inputs(hidden, dtype, seed, rows=(3, 7)):
+def _inputs(hidden, dtype, seed, rows=ROWS):
     gen = torch.Generator().manual_seed(seed)
     dt = TORCH_DTYPES[dtype]
     x = torch.randn(*rows, hidden, generator=gen).to(dt)
     g = (torch.randn(*rows, hidden, generator=gen) * 2).to(dt)
     w = (torch.randn(hidden, generator=gen) * 0.5 + 1).to(dt)
     dy = torch.randn(*rows, hidden, generator=gen).to(dt)
-    return x, g, w, dy
+    return tuple(t.to(DEVICE) for t in (x, g, w, dy))
 
 
 def _run(fn, x, g, w, dy):
@@ -60,7 +61,7 @@ def test_gated_rmsnorm_matches_float64(hidden, activation, casting, dtype):
         ref = _run(lambda a, b, c: reference(a, b, c, activation), x.double(), g.double(), w.double(), dy.double())
         assert got[0].dtype == x.dtype and got[1].dtype == x.dtype and got[2].dtype == g.dtype
         for name, a, r in zip(("y", "dx", "dgate", "dw"), got, ref):
-            # dW sums 21 rows of products: a bf16 result rounds once more than the row outputs
+            # dW sums every row's products: a bf16 result rounds once more than the row outputs
             assert_close(a, r, dtype, f"{casting}/{activation} h{hidden} {name}", factor=2.0 if name == "dw" else 1.0)
 
 
