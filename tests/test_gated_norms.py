@@ -174,3 +174,12 @@ def tiny_qwen3_next():
             elif n.endswith("linear_attn.conv1d.weight") or n.endswith("linear_attn.in_proj_qkvz.weight"):
                 p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "conv1d" in n else 0.1))
     return m
+
+
+def test_inspect_shows_the_gated_norm_with_its_facts():
+    from patchdsl.inspection import render
+
+    m = _cls("kimi_linear", "KimiLinearRMSNormGated")(32, eps=1e-5)
+    text = render(build_index(torch.nn.ModuleDict({"o_norm": m})))
+    line = next(ln for ln in text.splitlines() if ln.startswith("o_norm "))
+    assert "GatedRMSNorm" in line and "hidden=32 eps=1e-05 gate=sigmoid casting=gemma" in line, text
