@@ -160,6 +160,10 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
         return f"not down(act(gate(x)) * up(x)) with silu or gelu (children: {', '.join(named) or 'none'})"
     if concern == "norms":
         w = getattr(module, "weight", None)
+        if w is None and named:
+            # (issue 25, norms2) AXK2's GatedRMSNorm: an inner norm gated by its own MLP; the inner norm is a site
+            return (f"a norm built from child modules ({', '.join(named)}) with no weight of its own; no op for the "
+                    f"whole (a child that is a norm is patched by the norm rule)")
         if w is None:
             return f"a norm without a weight; no op for it"
         if "1P" in cls:
