@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 from .index import ModelIndex
 
 # kinds worth a row by default (Linear only for the LM head)
-CONCERN_KINDS = ("RMSNorm", "LayerNorm", "SwiGLU", "GeGLU", "MLP", "Attention", "CausalLM", "DecoderLayer")
+CONCERN_KINDS = ("RMSNorm", "LayerNorm", "GatedRMSNorm", "SwiGLU", "GeGLU", "MLP", "Attention", "CausalLM", "DecoderLayer")
 _INT = re.compile(r"^\d+$")
 # names of modules a spec author looks for; when such a module fits no kind, inspect says so
 _LOOKS_LIKE = re.compile(r"(norm|mlp|ffn|feed_?forward|attn|attention)$", re.IGNORECASE)
@@ -93,6 +93,9 @@ def describe(kind: str, f: Mapping[str, Any]) -> str:
     if kind == "RMSNorm":
         s = f"hidden={f.get('hidden')} eps={_num(f.get('eps'))} offset={_num(f.get('offset'))}"
         return s + (f" casting={f['casting']}" if f.get("casting") else "")
+    if kind == "GatedRMSNorm":
+        return (f"hidden={f.get('hidden')} eps={_num(f.get('eps'))} gate={f.get('activation')} "
+                f"casting={f.get('casting')}")
     if kind == "LayerNorm":
         extra = [n for n in ("offset",) if f.get(n)]
         return (f"hidden={f.get('hidden')} eps={_num(f.get('eps'))}" + ("" if f.get("bias") else " no-bias")

@@ -47,6 +47,8 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("attention", "Attention", "fused_rope", "", "RoPE of q and k in one launch"),
     Candidate("norms", "RMSNorm", "fused_rmsnorm", "", "RMSNorm, one kernel forward and one backward"),
     Candidate("norms", "LayerNorm", "fused_layernorm", "", "LayerNorm, one kernel forward and one backward"),
+    Candidate("norms", "GatedRMSNorm", "fused_rmsnorm_gated", "",
+              "gated RMSNorm of linear-attention layers (norm * w * act(gate)), one kernel forward and one backward"),
     Candidate("mlp", "SwiGLU", "fused_swiglu", "", "silu(gate) * up in one kernel (projections stay GEMMs)"),
     Candidate("mlp", "GeGLU", "fused_geglu", "", "gelu(gate) * up in one kernel (projections stay GEMMs)"),
     Candidate("mlp", "MLP", "fused_mlp", "",
@@ -107,7 +109,7 @@ def _concern(info) -> str | None:
         return "mlp"
     if "Attention" in ks:
         return "attention"
-    if "RMSNorm" in ks or "LayerNorm" in ks:
+    if "RMSNorm" in ks or "LayerNorm" in ks or "GatedRMSNorm" in ks:
         return "norms"
     if "SwiGLU" in ks or "GeGLU" in ks or "MLP" in ks:
         return "mlp"
@@ -115,6 +117,8 @@ def _concern(info) -> str | None:
         return "loss"
     cls = info.cls
     leaf = _leaf(info.path) if info.path else ""
+    if cls in ("ModuleList", "ModuleDict"):
+        return None          # a container named like a norm (XLM's layer_norm1 list): its items are the sites
     if not info.path or "Linear" in ks or info.dtype is None:
         return None          # the root, a projection, or a module with no parameters (nn.Identity): nothing to fuse
     if re.search(r"(Norm|Norm1P|RMSNorm)$", cls) or re.search(r"(^|_)(norm|ln|layernorm)(_|$|\d)", leaf):
@@ -146,9 +150,20 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
                     f"pair fused_mlp knows (up_proj/down_proj, fc1/fc2, c_fc/c_proj, dense_h_to_4h/dense_4h_to_h, ...)")
         if any(isinstance(c, torch.nn.Dropout) for c in module.modules()):
             return f"holds dropout, which no MLP op reproduces"
+        # (issue 25, norms2) a norm inside a gated MLP (BitNet's ffn_sub_norm on act(gate) * up, before down_proj)
+        sub_norms = [n for n, c in named.items() if re.search(r"norm", n, re.I) or re.search(r"Norm$", type(c).__name__)]
+        if sub_norms and (hasattr(module, "gate_proj") or hasattr(module, "w1")):
+            act = _act_name(getattr(module, "act_fn", None) or getattr(module, "activation_fn", None))
+            return (f"a gated MLP with a norm inside ({', '.join(sub_norms)}, applied to act(gate) * up before the down "
+                    f"projection), which no gated-MLP op calls" + (f"; its activation is {act}" if act else "")
+                    + f" (the norm itself is patched by the norm rule)")
         return f"not down(act(gate(x)) * up(x)) with silu or gelu (children: {', '.join(named) or 'none'})"
     if concern == "norms":
         w = getattr(module, "weight", None)
+        if w is None and named:
+            # (issue 25, norms2) AXK2's GatedRMSNorm: an inner norm gated by its own MLP; the inner norm is a site
+            return (f"a norm built from child modules ({', '.join(named)}) with no weight of its own; no op for the "
+                    f"whole (a child that is a norm is patched by the norm rule)")
         if w is None:
             return f"a norm without a weight; no op for it"
         if "1P" in cls:
@@ -166,6 +181,24 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
             return f"holds no config (head counts and rotary sizes are read from it)"
         return f"no rotary attention patchdsl recognises (q/k/v/o projections, head_dim and heads)"
     return f"fits no structural kind patchdsl knows"
+
+
+def _act_name(act: Any) -> str | None:
+    """The name of an MLP activation module/function, as :data:`ops.kinds.MLP_ACTIVATIONS` knows it (None else)."""
+    from .ops.kinds import MLP_ACTIVATIONS, mlp_activation_reference
+
+    if act is None or not callable(act):
+        return None
+    import torch
+
+    x = torch.linspace(-4, 4, 81, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = act(x.clone())
+    except Exception:  # noqa: BLE001
+        return None
+    return next((n for n in MLP_ACTIVATIONS if isinstance(y, torch.Tensor) and y.shape == x.shape
+                 and torch.allclose(y.double(), mlp_activation_reference(n)(x), rtol=1e-6, atol=1e-7)), None)
 
 
 def _reasons(tried: list[str]) -> str:
@@ -355,6 +388,7 @@ def _rule_facts(c: Candidate, infos: list) -> str:
     """A few facts of the selected modules for the rule's comment (", hidden 1024, eps 1e-06")."""
     vals: dict[str, set] = {}
     keys = {"RMSNorm": ("hidden", "eps", "offset"), "LayerNorm": ("hidden", "eps"),
+            "GatedRMSNorm": ("hidden", "eps", "activation"),
             "SwiGLU": ("hidden", "intermediate"), "GeGLU": ("hidden", "intermediate", "activation"),
             "MLP": ("hidden", "intermediate", "activation"),
             "Attention": ("head_dim", "rotary_dim"), "Linear": ("in_features", "out_features")}.get(c.kind, ())

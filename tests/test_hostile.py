@@ -72,7 +72,14 @@ POOL = {
     "gemma3": lambda: tiny_model("gemma3"),
     "phi": lambda: _tiny_phi(),
     "qwen3_moe": lambda: _tiny_moe(),
+    "qwen3_next": lambda: _tiny_qwen3_next(),     # GatedRMSNorm (issue 25)
 }
+
+
+def _tiny_qwen3_next():
+    from .test_gated_norms import tiny_qwen3_next
+
+    return tiny_qwen3_next()
 
 
 def _tiny_phi():

@@ -108,8 +108,15 @@ def tiny_mixtral():
     return tiny_moe_model("mixtral")
 
 
+def tiny_qwen3_next():
+    """Qwen3-Next (issue 25): a linear-attention layer whose output goes through the gated RMSNorm."""
+    from .test_gated_norms import tiny_qwen3_next as build
+
+    return build()
+
+
 MODELS = {"qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "phi": tiny_phi, "qwen3_moe": tiny_qwen3_moe,
-          "gpt_oss": tiny_gpt_oss, "mixtral": tiny_mixtral}
+          "gpt_oss": tiny_gpt_oss, "mixtral": tiny_mixtral, "qwen3_next": tiny_qwen3_next}
 
 SPECS = {
     "fused_rmsnorm": "*.input_layernorm, *.post_attention_layernorm, model.norm: RMSNorm -> fused_rmsnorm\n",
@@ -128,6 +135,7 @@ SPECS = {
     "fp8_linear": "*.mlp.{gate_proj,up_proj,down_proj}, *.self_attn.{q_proj,o_proj}: Linear -> fp8_linear(emulate=true)\n",
     "fused_experts": "*.mlp.experts: Experts -> fused_experts\n",
     "fused_router": "*.mlp.gate: Router -> fused_router\n",
+    "fused_rmsnorm_gated": "*.linear_attn.norm: GatedRMSNorm -> fused_rmsnorm_gated\n",
 }
 
 
@@ -216,6 +224,8 @@ RMS_FWD = r"^def rmsnorm_fwd_"
 RMS_BWD = r"^def rmsnorm_bwd_"
 ADD_FWD = r"^def add_rmsnorm_fwd_"
 ADD_BWD = r"^def add_rmsnorm_bwd_"
+GN_FWD = r"^def rmsnorm_gated_fwd_"
+GN_BWD = r"^def rmsnorm_gated_bwd_"
 LN_FWD = r"^def layernorm_fwd_"
 LN_BWD = r"^def layernorm_bwd_"
 ROPE_FWD = r"^def rope_fwd_"
@@ -251,6 +261,17 @@ ALL_MUTATIONS = [
              (Edit(r"^(\s*)return dx, dw$", r"\1return dx, dw * 0.5",
                    r"^def add_rmsnorm_backward\("),), dtype="fp32",
              expect=("grad_post_attention_layernorm.weight",)),
+    # ---- fused_rmsnorm_gated (issue 25; Qwen3-Next's linear-attention output norm: silu gate, llama casts)
+    Mutation("fused_rmsnorm_gated", "gate_ignored", (Edit(r"^(\s*)y = h \* a$", r"\1y = h", GN_FWD),),
+             model="qwen3_next", dtype="fp32", expect=("output",)),
+    # (the gate's gradient is the norm's second input: a site check compares the first input's gradient only,
+    # so a broken dgate fails verify end to end, naming no site; tests/kernels/test_rmsnorm_gated.py checks it)
+    Mutation("fused_rmsnorm_gated", "dx_mean_term_dropped",
+             (Edit(r"\(dn - xhat \* \(tl\.sum", "(dn - 0.0 * xhat * (tl.sum", GN_BWD),),
+             model="qwen3_next", dtype="fp32", expect=("grad_input",)),
+    Mutation("fused_rmsnorm_gated", "dw_halved",
+             (Edit(r"^(\s*)return dx, dg, dw$", r"\1return dx, dg, dw * 0.5", r"^def rmsnorm_gated_backward\("),),
+             model="qwen3_next", dtype="fp32"),
     # ---- fused_layernorm (Phi-2: with bias; hidden 48 in a block of 64)
     Mutation("fused_layernorm", "padding_in_variance",
              (Edit(r"xc = tl\.where\(m\[None, :\], x - mean\[:, None\], 0\.0\)", "xc = x - mean[:, None]", LN_FWD),),

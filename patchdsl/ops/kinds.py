@@ -121,6 +121,59 @@ def rmsnorm(m: Any) -> dict | None:
     return {"hidden": int(h), "eps": eps, "offset": offset, "casting": casting}
 
 
+# ---- gated RMSNorm (issue 25, helper norms2): the output norm of linear-attention layers ------------
+GATED_ACTIVATIONS = ("silu", "sigmoid")
+
+
+@kind("GatedRMSNorm", "y = x / rms(x) * w * act(gate), act silu or sigmoid; cast order probed (linear-attention norms)")
+def gated_rmsnorm(m: Any) -> dict | None:
+    """forward(hidden_states, gate): Qwen3-Next's / Qwen3.5's / OLMo-hybrid's ``RMSNormGated`` (normalise,
+    cast, scale in the input dtype, gate in fp32: casting llama) and Kimi Linear's / Lara's (all in fp32,
+    one cast: casting gemma).  Probed by running the class's forward on a stand-in."""
+    torch = _torch()
+    w = getattr(m, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
+        return None
+    if getattr(m, "bias", None) is not None or list(m.children()):
+        return None
+    eps = _eps(m)
+    if eps is None:
+        return None
+    h = w.shape[0]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, h, generator=gen)
+    gt = torch.randn(3, h, generator=gen) * 2
+    wt = torch.randn(h, generator=gen) * 0.5
+    try:
+        out32 = _run_class_forward(m, stand_in(m, weight=wt.clone()), x.clone(), gt.clone())
+    except Exception:
+        return None
+    if not isinstance(out32, torch.Tensor) or out32.shape != x.shape:
+        return None
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    acts = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}
+    activation = next((a for a in GATED_ACTIVATIONS
+                       if torch.allclose(out32, normed * wt * acts[a](gt), rtol=1e-5, atol=1e-5)), None)
+    if activation is None:
+        return None
+    xb, gb, wb = x.bfloat16(), gt.bfloat16(), wt.bfloat16()
+    try:
+        outb = _run_class_forward(m, stand_in(m, weight=wb.clone()), xb.clone(), gb.clone())
+    except Exception:
+        outb = None
+    nb = xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + eps)
+    ab = acts[activation](gb.float())
+    llama = ((wb * nb.to(torch.bfloat16)) * ab).to(torch.bfloat16)
+    gemma = (wb.float() * nb * ab).to(torch.bfloat16)
+    if isinstance(outb, torch.Tensor) and outb.dtype == torch.bfloat16 and torch.equal(outb, llama):
+        casting = "llama"
+    elif isinstance(outb, torch.Tensor) and outb.dtype == torch.bfloat16 and torch.equal(outb, gemma):
+        casting = "gemma"
+    else:
+        casting = "unknown"
+    return {"hidden": int(h), "eps": eps, "activation": activation, "casting": casting}
+
+
 @kind("LayerNorm", "y = (x - mean) / std * (offset + w) + b, with or without bias; offset 1 = LayerNorm1P (probed)")
 def layernorm(m: Any) -> dict | None:
     torch = _torch()
@@ -176,9 +229,59 @@ def _activation(act: Any) -> str | None:
     return None
 
 
+# ---- gated MLPs under other child names (issue 25, helper norms2) ----------------------------------
+# (gate, up, down) child names other than gate_proj / up_proj / down_proj: Mixtral's old and LFM2's w1 / w3 / w2
+GLU_NAME_SETS = (("w1", "w3", "w2"),)
+
+
+def _glu_other_names(m: Any) -> dict | None:
+    """Facts of a gated MLP whose children are one of :data:`GLU_NAME_SETS` (``names``: gate, up, down):
+    the activation is probed by running the class's forward on a float64 stand-in (LFM2 calls F.silu
+    inline; there is no activation child to probe)."""
+    torch = _torch()
+    for gn, un, dn in GLU_NAME_SETS:
+        gate, up, down = (linear_like(m._modules.get(n)) for n in (gn, un, dn))
+        if gate is None or up is None or down is None:
+            continue
+        hidden, inter = gate.in_features, gate.out_features
+        if up.in_features != hidden or up.out_features != inter or down.in_features != inter \
+                or down.out_features != hidden:
+            return None
+        g = torch.Generator().manual_seed(4)
+        h, i = 6, 10
+        lins = {}
+        for n, (a, b, src) in ((gn, (h, i, gate)), (un, (h, i, up)), (dn, (i, h, down))):
+            lin_ = torch.nn.Linear(a, b, bias=src.bias is not None, dtype=torch.float64)
+            with torch.no_grad():
+                lin_.weight.copy_(torch.randn(b, a, generator=g, dtype=torch.float64))
+                if lin_.bias is not None:
+                    lin_.bias.copy_(torch.randn(b, generator=g, dtype=torch.float64) * 0.5)
+            lins[n] = lin_
+        kids = {k: (lins[k] if k in lins else v) for k, v in m._modules.items()}
+        x = torch.randn(4, h, generator=g, dtype=torch.float64)
+        try:
+            out = _run_class_forward(m, stand_in(m, modules=kids, training=False), x)
+        except Exception:
+            return None
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+            return None
+        F = torch.nn.functional
+        with torch.no_grad():
+            gx, ux = lins[gn](x), lins[un](x)
+            for name, fn in (("silu", F.silu), ("gelu", F.gelu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))):
+                if torch.allclose(out, lins[dn](fn(gx) * ux), rtol=1e-9, atol=1e-12):
+                    bias = any(x_.bias is not None for x_ in (gate, up, down))
+                    return {"hidden": int(hidden), "intermediate": int(inter), "fused_gate_up": False,
+                            "bias": bool(bias), "activation": name, "names": [gn, un, dn]}
+        return None
+    return None
+
+
 def _glu(m: Any) -> dict | None:
     down = linear_like(getattr(m, "down_proj", None))
     act = getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
+    if down is None and any(m._modules.get(n[0]) is not None for n in GLU_NAME_SETS):
+        return _glu_other_names(m)
     if down is None or act is None:
         return None
     actname = _activation(act)
@@ -310,7 +413,8 @@ def mlp_probe(m: Any) -> tuple[dict | None, str]:
     pair = next(((u, d) for u, d in MLP_PAIRS if ch.get(u) is not None and ch.get(d) is not None), None)
     if pair is None:
         return None, "no up/down projection pair (" + ", ".join("/".join(p) for p in MLP_PAIRS) + ")"
-    if any(ch.get(n) is not None for n in ("gate_proj", "gate_up_proj", "experts")):
+    if any(ch.get(n) is not None for n in ("gate_proj", "gate_up_proj", "experts")) \
+            or any(all(ch.get(n) is not None for n in names) for names in GLU_NAME_SETS):
         return None, "a gated or mixture-of-experts MLP"
     up, down = pair
     pu, pd = projection(ch[up]), projection(ch[down])

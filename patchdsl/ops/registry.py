@@ -18,12 +18,13 @@ _OPS: dict[str, Op] = {}
 
 # Op modules, imported on first registry access.  Order is the documentation order.
 OP_MODULES = (
-    "rmsnorm", "add_rmsnorm", "layernorm", "swiglu", "geglu", "mlp", "experts", "router", "rope", "qk_norm_rope",
+    "rmsnorm", "add_rmsnorm", "rmsnorm_gated", "layernorm", "swiglu", "geglu", "mlp", "experts", "router", "rope", "qk_norm_rope",
     "cross_entropy", "linear_cross_entropy", "linear_logprobs", "linear_jsd", "fp8_linear",
     "hub", "liger",      # external ops (patchdsl/ops/external.py)
 )
 KIND_NAMES = ("RMSNorm", "LayerNorm", "SwiGLU", "GeGLU", "MLP", "Attention", "CausalLM", "Linear", "DecoderLayer",
-              "Experts", "MoEBlock", "Router")   # mixture of experts (issue 24)
+              "Experts", "MoEBlock", "Router",   # mixture of experts (issue 24)
+              "GatedRMSNorm")                    # linear-attention output norms (issue 25)
 
 _loaded = False
 

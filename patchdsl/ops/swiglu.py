@@ -118,7 +118,7 @@ class FusedGLU(Op):
                             f"use {better}")
             return (f"{where} is not a {self.kind} MLP (needs gate_proj + up_proj or gate_up_proj, down_proj "
                     f"and an act_fn / activation_fn computing {self.kind_activation_text()})")
-        names = ("gate_up_proj", "down_proj") if f["fused_gate_up"] else ("gate_proj", "up_proj", "down_proj")
+        names = ("gate_up_proj", "down_proj") if f["fused_gate_up"] else glu_names(f)
         missing = [n for n in names if getattr(module, n, None) is None]
         if missing:
             return f"{where} has no {', '.join(missing)} (the index says it should; was it changed after indexing?)"
@@ -153,6 +153,19 @@ class FusedGLU(Op):
                     gate, up = gu.chunk(2, dim=-1)
                     return self.down_proj(eager_act(gate) * up)
                 return self.down_proj(kernels(gu.dtype).glu(gu, in_place=in_place))
+        elif glu_names(f) != DEFAULT_GLU_NAMES:
+            # other child names (LFM2's / Mixtral's w1 = gate, w3 = up, w2 = down): the same, by name
+            gn, un, dn = glu_names(f)
+
+            def forward(self, x, *args, **kwargs):
+                gate = getattr(self, gn)(x)
+                up = getattr(self, un)(x)
+                if gate.dtype != up.dtype:
+                    dt = torch.promote_types(gate.dtype, up.dtype)
+                    gate, up = gate.to(dt), up.to(dt)
+                if gate.dtype not in supported:
+                    return getattr(self, dn)(eager_act(gate) * up)
+                return getattr(self, dn)(kernels(gate.dtype).glu(gate, up, in_place=in_place))
         else:
             def forward(self, x, *args, **kwargs):
                 gate = self.gate_proj(x)
@@ -193,6 +206,15 @@ class _NoDropout:
         return getattr(self._m, name)
 
 
+DEFAULT_GLU_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def glu_names(facts: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(gate, up, down) child names of a separate-projection gated MLP (the kind's ``names`` fact)."""
+    n = facts.get("names")
+    return tuple(n) if n else DEFAULT_GLU_NAMES
+
+
 def _reference_activation(name: str):
     import torch.nn.functional as F
 
@@ -221,6 +243,7 @@ def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -
     g = torch.Generator().manual_seed(7)
     h, i = 8, 12
     fused = bool(facts["fused_gate_up"])
+    gn, un, dn = ("gate_proj", "up_proj", "down_proj") if fused else glu_names(facts)
 
     def lin(n_in, n_out, bias):
         m = torch.nn.Linear(n_in, n_out, bias=bias, dtype=torch.float64)
@@ -240,16 +263,16 @@ def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -
     # fused forward would skip makes the outputs differ.  Nothing of ``module`` is mutated.
     clone = stand_in(module, training=True)
     for k, v in module._modules.items():
-        if k not in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") and v is not None:
+        if k not in (gn, un, "gate_up_proj", dn) and v is not None:
             c = copy.copy(v)
             c.__dict__["training"] = True
             clone._modules[k] = c
-    projs = {"down_proj": lin(i, h, has_bias("down_proj"))}
+    projs = {dn: lin(i, h, has_bias(dn))}
     if fused:
         projs["gate_up_proj"] = lin(h, 2 * i, has_bias("gate_up_proj"))
     else:
-        projs["gate_proj"] = lin(h, i, has_bias("gate_proj"))
-        projs["up_proj"] = lin(h, i, has_bias("up_proj"))
+        projs[gn] = lin(h, i, has_bias(gn))
+        projs[un] = lin(h, i, has_bias(un))
     clone._modules.update(projs)
     x = torch.randn(3, h, generator=g, dtype=torch.float64)
     p_drop = output_dropout(module)
@@ -264,8 +287,8 @@ def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -
         if fused:
             gate, up = projs["gate_up_proj"](x).chunk(2, dim=-1)
         else:
-            gate, up = projs["gate_proj"](x), projs["up_proj"](x)
-        ref = projs["down_proj"](act(gate) * up)
+            gate, up = projs[gn](x), projs[un](x)
+        ref = projs[dn](act(gate) * up)
         if p_drop:
             # dropout on the output (Seed-OSS's residual_dropout): the replacement makes the same
             # F.dropout call at the same place, so under the same seed it draws the same mask
@@ -276,7 +299,7 @@ def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -
         return isinstance(a, torch.Tensor) and a.shape == ref.shape and torch.allclose(a, ref, rtol=1e-9, atol=1e-12)
 
     if not same(out):
-        layout = "gate_up_proj(x) split gate-first" if fused else "gate_proj(x), up_proj(x)"
+        layout = "gate_up_proj(x) split gate-first" if fused else f"{gn}(x), {un}(x)"
         # the true reason when only training mode differs: randomness (dropout) the op does not reproduce
         clone.__dict__["training"] = False
         for c in clone._modules.values():

@@ -10,14 +10,15 @@ op: a new op is covered as soon as it is registered and some variant below has a
 
 import pytest
 
-from .cuda_compile import VARIANTS, accepted_sites, build_model, compile_variant, flag_variants, resolved_flags
+from .cuda_compile import VARIANT_OPS, VARIANTS, accepted_sites, build_model, compile_variant, flag_variants, resolved_flags
 
 # Qwen3 in every dtype; the other families (different facts: offset 1 / gelu_tanh / softcap,
 # fused gate_up and qkv with partial rotary, LayerNorm with bias) in bf16.  One test per (family,
 # dtype), so the pytest-xdist workers share them out and progress shows; the flag variants (other
 # compiled-in modes) are compiled with each family's first dtype.
 DTYPES = {"qwen3": ["bf16", "fp32", "fp16"], "gemma3": ["bf16"], "phi3": ["bf16"], "stablelm": ["bf16"],
-          "qwen3_moe": ["bf16"], "gpt_oss": ["bf16"], "starcoder2": ["bf16"], "glm4": ["bf16"]}
+          "qwen3_moe": ["bf16"], "gpt_oss": ["bf16"], "starcoder2": ["bf16"], "glm4": ["bf16"],
+          "qwen3_next": ["bf16"]}
 CASES = [(v, dt) for v in VARIANTS for dt in DTYPES[v]]
 
 
@@ -58,5 +59,6 @@ def test_every_op_has_a_site():
             continue
         for overrides in [{}] + flag_variants(op):
             flags = resolved_flags(op, overrides)
-            where = [v for v in VARIANTS if accepted_sites(op, models[v], indexes[v], flags)]
+            where = [v for v in VARIANTS if op.name in VARIANT_OPS.get(v, (op.name,))
+                     and accepted_sites(op, models[v], indexes[v], flags)]
             assert where, f"{op.name} {overrides}: no variant of tests/kernels/cuda_compile.py has a site for it"
