@@ -245,6 +245,13 @@ def run_host(host: Any, module: Any, host_path: str, captured: Captured, dtype: 
                 x = args[k].requires_grad_(True)
             else:
                 x = kwargs[k].requires_grad_(True)
+    # other positional float inputs of the primary input's shape (a gated norm's gate): their
+    # gradients are compared too, so an op that drops or breaks one is named at its site
+    others: list[tuple[int, Any]] = []
+    if x is not None and not is_lm:
+        for i, a in enumerate(args):
+            if a is not x and isinstance(a, torch.Tensor) and a.is_floating_point() and a.shape == x.shape:
+                others.append((i, a.requires_grad_(True)))
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     try:
         with torch.enable_grad(), (context or contextlib.nullcontext()):
@@ -263,7 +270,7 @@ def run_host(host: Any, module: Any, host_path: str, captured: Captured, dtype: 
     if main is None:
         raise RuntimeError(f"{host_path or '<model>'} returned no tensor to compare")
     res: dict[str, Any] = {qname: main.detach()}
-    inputs = ([x] if x is not None else []) + [p for _, p in params]
+    inputs = ([x] if x is not None else []) + [a for _, a in others] + [p for _, p in params]
     if main.requires_grad and inputs:
         grads = torch.autograd.grad(main, inputs, upstream(main), allow_unused=True)
     else:
@@ -271,6 +278,9 @@ def run_host(host: Any, module: Any, host_path: str, captured: Captured, dtype: 
     if x is not None:
         res["grad_input"] = grads[0]
         grads = grads[1:]
+    for (i, _), g in zip(others, grads):
+        res[f"grad_input{i}"] = g
+    grads = grads[len(others):]
     for (n, _), g in zip(params, grads):
         res[f"grad_{n}"] = g
     return res

@@ -87,7 +87,8 @@ VARIANT_OPS = {"qwen3_next": ("fused_rmsnorm_gated",)}
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 PTR = {"torch.float32": "*fp32", "torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.int64": "*i64",
        "torch.int32": "*i32", "torch.int16": "*i16", "torch.int8": "*i8", "torch.uint8": "*u8",
-       "torch.bool": "*i1", "torch.float64": "*fp64"}
+       "torch.bool": "*i1", "torch.float64": "*fp64",
+       "torch.float8_e4m3fn": "*fp8e4nv", "torch.float8_e5m2": "*fp8e5"}      # fp8_linear's quantisation kernels
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
 
 
