@@ -711,9 +711,9 @@ def _int_top_k(v: Any, E: int) -> int | None:
 
 
 def _router_width(r: Any, E: int) -> int | None:
-    """How many classes a router without an own [experts, hidden] weight scores: the widest output of
-    its 2-D weights (own or of Linear children), when that is ``E`` or more (a skip expert, shared
-    experts scored alongside); None when no weight of the router covers the experts."""
+    """How many classes a router without an own [experts, hidden] weight scores: the narrowest output
+    of its 2-D weights (own or of Linear children) that is ``E`` or more (a skip expert, shared experts
+    scored alongside); None when no weight of the router covers the experts."""
     torch = _torch()
     widths = [int(p.shape[0]) for _, p in r.named_parameters() if isinstance(p, torch.Tensor) and p.dim() == 2]
     return min((w for w in widths if w >= E), default=None)
