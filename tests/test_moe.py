@@ -716,3 +716,23 @@ def test_moe_experts_that_fit_no_kind_are_refused_naming_why(family):
             assert K.experts(ex) is None and why in K.experts_misfit(ex)
     with pytest.raises(SpecError):
         plan("*.experts: Experts -> fused_experts\n", model, target=TARGET)
+
+
+def test_fused_experts_called_with_another_top_k_runs_the_module_s_own_forward():
+    """A kernel specialised for top-2 fed top-3 routing (a per-layer top-k the config's first value did
+    not name, a caller's own routing): the module's own forward, not the kernel's shape error."""
+    from patchdsl import apply, plan
+
+    model = tiny_moe_model("hunyuan_v1_moe")
+    apply(plan("*.experts: Experts -> fused_experts\n", model, target=TARGET), model, target=TARGET)
+    (_, ex), *_ = _experts_of(model)
+    assert "forward" in ex.__dict__
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 32, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:3] for _ in range(5)])
+    w = torch.rand(5, 3, generator=g)
+    with torch.no_grad():
+        out = ex(x, idx, w)
+        ref = K.experts_reference(x.double(), idx, w.double(), ex.gate_up_proj.double(), ex.down_proj.double(),
+                                  None, None, K.experts(ex))
+    assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)
