@@ -138,7 +138,7 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
     named = dict(module.named_children()) if module is not None else {}
     if concern == "mlp":
         if "experts" in named or "router" in named or "gate" in named and not hasattr(module, "gate_proj"):
-            return "a mixture-of-experts block whose experts fit no Experts kind (3-D expert weights, probed activation)"
+            return _moe_reason(named)
         lin = [n for n, c in named.items() if isinstance(c, torch.nn.Linear)]
         if module is not None and "gate_proj" not in named and "gate_up_proj" not in named:
             from .ops.kinds import mlp_probe
@@ -199,6 +199,28 @@ def _act_name(act: Any) -> str | None:
         return None
     return next((n for n in MLP_ACTIVATIONS if isinstance(y, torch.Tensor) and y.shape == x.shape
                  and torch.allclose(y.double(), mlp_activation_reference(n)(x), rtol=1e-6, atol=1e-7)), None)
+
+
+def _moe_reason(named: dict) -> str:
+    """Why a mixture-of-experts block is not a MoEBlock: its experts' structural misfit, else its router's."""
+    from .ops.kinds import experts_misfit
+
+    ex = named.get("experts")
+    if ex is not None:
+        why = experts_misfit(ex)
+        if why:
+            return f"MoE experts fit no Experts kind: {why}"
+        return ("a MoE block whose router (gate / router) has no weight covering the experts, or whose top-k "
+                "is not known")
+    import torch
+
+    held = [n for n, c in named.items()
+            if isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 3]
+    if held:     # JetMoE: ParallelExperts input_linear / output_linear, fed tokens the block sorts by expert
+        return (f"MoE experts as {' / '.join(held)} ({type(named[held[0]]).__name__}, 3-D weight) fed tokens the "
+                "block sorts, not one Experts module")
+    return ("a mixture-of-experts block without an experts child (3-D gate_up_proj / down_proj with "
+            f"forward(hidden, top_k_index, top_k_weights)); children: {', '.join(named)}")
 
 
 def _reasons(tried: list[str]) -> str:

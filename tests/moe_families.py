@@ -34,11 +34,34 @@ MOE_FAMILIES = {
     "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                     shared_expert_intermediate_size=40), None),
     "granitemoe": ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2), None),
+    # top-k under moe_topk, transposed experts (Aria); a router through a Linear child (HunYuan's wg,
+    # AFMoE's gate with an expert bias); gpt-oss's clamped SwiGLU, concatenated, as swiglu_alpha/limit (MiniMax-M3)
+    "aria_text": ("aria_text", dict(moe_num_experts=4, moe_topk=2, moe_intermediate_size=24,
+                                    moe_num_shared_experts=1), None),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(head_dim=8, num_experts=4, moe_topk=2), None),
+    "afmoe": ("afmoe", dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                            num_dense_layers=0, num_shared_experts=1), None),
+    "minimax_m3_vl_text": ("minimax_m3_vl_text", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                                      shared_intermediate_size=40, bos_token_id=None,
+                                                      eos_token_id=None), None),
+}
+
+# MoE families whose experts fit no Experts kind: (model_type, overrides, what the refusal must name)
+MOE_REFUSED = {
+    "llama4_text": ("llama4_text", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+                                        intermediate_size_mlp=48, pad_token_id=None, bos_token_id=None,
+                                        eos_token_id=None), "takes no top_k_index / top_k_weights"),
+    "hy_v4": ("hy_v4", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                            mlp_layer_types=["sparse"],
+                            pad_token_id=None, bos_token_id=None, eos_token_id=None),
+              "has no act_fn or alpha, only swiglu_limit="),
+    "jetmoe": ("jetmoe", dict(num_local_experts=4, num_experts_per_tok=2),
+               "MoE experts as input_linear / output_linear (JetMoeParallelExperts, 3-D weight)"),
 }
 
 
 def tiny_moe_config(family: str, **over):
-    model_type, extra, _ = MOE_FAMILIES[family]
+    model_type, extra = MOE_FAMILIES[family][:2] if family in MOE_FAMILIES else MOE_REFUSED[family][:2]
     return config_for(model_type, COMMON, extra, **over)
 
 

@@ -17,7 +17,7 @@ from patchdsl.codegen.keys import KernelKey
 from patchdsl.ops.base import ModuleInfo
 from patchdsl.ops.registry import get_op
 
-from .moe_families import MOE_FAMILIES, tiny_moe_model
+from .moe_families import MOE_FAMILIES, MOE_REFUSED, tiny_moe_model
 
 K = importlib.import_module("patchdsl.ops.kinds")
 TARGET = detect_target()
@@ -629,3 +629,110 @@ def test_fused_experts_qwen3_30b_layer_shape_gpu():
     """Qwen3-30B-A3B's layer (hidden 2048, 128 experts, top 8, moe_intermediate 768), 1024 tokens, bf16: output
     and every gradient as close to float64 as transformers' own experts forward (within 4x + 1e-3)."""
     _judge_real_shape(_experts_real_shape("cuda", T=1024, H=2048, E=128, k=8, I=768, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- more MoE families (recognised by structure)
+NEW_FAMILIES = ["aria_text", "hunyuan_v1_moe", "afmoe", "minimax_m3_vl_text"]
+KIND_CASES.update({
+    "aria_text": (dict(transposed=True, layout="concat", activation="silu", top_k=2),
+                  dict(scoring="softmax_topk", norm_topk=True, shared="shared_experts")),
+    "hunyuan_v1_moe": (dict(transposed=False, layout="concat", activation="silu", top_k=2),
+                       dict(scoring="unknown", router="gate", router_width=4, shared="shared_mlp")),
+    "afmoe": (dict(transposed=False, layout="concat", activation="silu", top_k=2),
+              dict(scoring="unknown", router="router", router_width=4, shared="shared_experts")),
+    "minimax_m3_vl_text": (dict(transposed=False, layout="concat", bias=False, activation="swiglu_clamp",
+                                alpha=1.702, limit=7.0, top_k=2), dict(shared="shared_experts")),
+})
+
+
+def _old_aria(model) -> bool:
+    """transformers 5.17's AriaExperts: fc1 / fc2 grouped GEMMs routing inside forward(hidden, router_logits)
+    (5.24: 3-D gate_up_proj / down_proj with forward(hidden, top_k_index, top_k_weights))."""
+    return any(p.endswith(".experts") and "fc1" in m._modules for p, m in model.named_modules())
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_more_moe_families_are_recognised(family):
+    if family == "aria_text" and _old_aria(tiny_moe_model(family)):
+        (_, ex), *_ = _experts_of(tiny_moe_model(family))
+        assert K.experts(ex) is None
+        assert "AriaExperts holds fc1.weight" in K.experts_misfit(ex) and "not 3-D gate_up_proj" in K.experts_misfit(ex)
+        return
+    test_experts_and_moe_block_are_recognised(family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_more_moe_families_verify_with_the_experts_fused(family):
+    """Patched == eager against the float64 reference, routing held fixed (patchdsl.parity.moe)."""
+    from patchdsl import verify
+    from patchdsl.syntax.errors import SpecError
+
+    if family == "aria_text" and _old_aria(tiny_moe_model(family)):
+        with pytest.raises(SpecError):
+            verify("*.experts: Experts -> fused_experts\n", lambda: tiny_moe_model(family), dtype="fp32",
+                   batch=1, seq=8, device=DEVICE)
+        return
+    r = verify("*.experts: Experts -> fused_experts\n", lambda: tiny_moe_model(family), dtype="fp32",
+               batch=1, seq=8, seed=0, device=DEVICE)
+    assert r.passed, [(x.path, x.quantity, x.rel_fro_err, x.tolerance) for x in r.failures()]
+    j = r.to_json()
+    assert not j.get("refused") and {s["op"] for s in j["sites"]} == {"fused_experts"}
+    assert {x.quantity for x in r.rows if x.kind == "site"} >= {"output", "grad_input", "grad_top_k_weights"}
+
+
+def test_fused_experts_with_a_wrong_clamp_fails_against_the_reference():
+    """MiniMax-M3's experts read as plain SiLU (alpha / limit ignored) must not match its forward."""
+    model = tiny_moe_model("minimax_m3_vl_text").double()
+    (_, ex), *_ = _experts_of(model)
+    f = K.experts(ex)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 32, generator=g, dtype=torch.float64) * 4      # past the limit: the clamp matters
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        ex.gate_up_proj.mul_(3)
+        out = K._expert_forward(ex)(ex, x, idx, w)
+        args = (x, idx, w, ex.gate_up_proj, ex.down_proj, None, None)
+        assert torch.allclose(K.experts_reference(*args, f), out, rtol=1e-9, atol=1e-10)
+        assert not torch.allclose(K.experts_reference(*args, dict(f, activation="silu")), out, rtol=1e-3)
+
+
+@pytest.mark.parametrize("family", list(MOE_REFUSED))
+def test_moe_experts_that_fit_no_kind_are_refused_naming_why(family):
+    from patchdsl import plan
+    from patchdsl.suggestion import suggest
+    from patchdsl.syntax.errors import SpecError
+
+    model = tiny_moe_model(family)
+    why = MOE_REFUSED[family][2]
+    s = suggest(model, target=TARGET)
+    mlp = [r for p, r in s.unpatched.items() if s.concern_of.get(p) == "mlp" and "MoE experts" in r]
+    assert mlp and all(why in r for r in mlp), s.unpatched
+    assert "fused_experts" not in set(s.patched.values())
+    exps = [m for p, m in model.named_modules() if p.endswith(".experts") and not isinstance(m, torch.nn.ModuleList)]
+    for ex in exps:
+        if "gate_up_proj" in ex._parameters:
+            assert K.experts(ex) is None and why in K.experts_misfit(ex)
+    with pytest.raises(SpecError):
+        plan("*.experts: Experts -> fused_experts\n", model, target=TARGET)
+
+
+def test_fused_experts_called_with_another_top_k_runs_the_module_s_own_forward():
+    """A kernel specialised for top-2 fed top-3 routing (a per-layer top-k the config's first value did
+    not name, a caller's own routing): the module's own forward, not the kernel's shape error."""
+    from patchdsl import apply, plan
+
+    model = tiny_moe_model("hunyuan_v1_moe")
+    apply(plan("*.experts: Experts -> fused_experts\n", model, target=TARGET), model, target=TARGET)
+    (_, ex), *_ = _experts_of(model)
+    assert "forward" in ex.__dict__
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 32, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:3] for _ in range(5)])
+    w = torch.rand(5, 3, generator=g)
+    with torch.no_grad():
+        out = ex(x, idx, w)
+        ref = K.experts_reference(x.double(), idx, w.double(), ex.gate_up_proj.double(), ex.down_proj.double(),
+                                  None, None, K.experts(ex))
+    assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)

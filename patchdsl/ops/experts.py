@@ -122,12 +122,16 @@ class FusedExperts(Op):
         eager = _expert_forward(module)
         f = info.facts("Experts")
         has_bias = bool(f["bias"])
+        top_k = int(f.get("top_k") or 0)
         supported = (torch.float32, torch.bfloat16, torch.float16)
 
         def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             gu, dn = self.gate_up_proj, self.down_proj
             dt = hidden_states.dtype
-            if args or kwargs or dt not in supported or gu.dtype != dt or dn.dtype != dt or hidden_states.dim() != 2:
+            if (args or kwargs or dt not in supported or gu.dtype != dt or dn.dtype != dt or hidden_states.dim() != 2
+                    or top_k_index.dim() != 2 or top_k_index.shape[-1] != top_k):
+                # another top-k than the kernel's (a per-layer moe_topk the config's first value did not
+                # name, a caller's own routing): the module's own forward, exactly
                 return eager(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
             gub = self.gate_up_proj_bias if has_bias else None
             db = self.down_proj_bias if has_bias else None

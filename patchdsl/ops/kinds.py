@@ -614,11 +614,38 @@ def peft_param_base(m: Any) -> tuple[Any, int]:
     return m, depth
 
 
-def _top_k(m: Any, E: int) -> int | None:
-    """The experts' top-k as the model's config says (``num_experts_per_tok``), None if unknown."""
-    for v in (m.__dict__.get("top_k"), getattr(getattr(m, "config", None), "num_experts_per_tok", None)):
+# where a config keeps the experts per token: num_experts_per_tok (most), moe_topk (Aria, HunYuan),
+# moe_top_k / num_experts_per_token / experts_per_token (other checkpoints' spellings)
+TOP_K_ATTRS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "num_experts_per_token", "experts_per_token")
+
+
+def config_top_k(cfg: Any, E: int) -> int | None:
+    """The top-k a config names under one of ``TOP_K_ATTRS`` (an int in 1..E; a per-layer list is not one)."""
+    if cfg is None:
+        return None
+    for a in TOP_K_ATTRS:
+        v = getattr(cfg, a, None)
         if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= E:
             return int(v)
+    return None
+
+
+def _top_k(m: Any, E: int) -> int | None:
+    """The experts' top-k: the module's ``top_k``, else its config's (``config_top_k``); None if unknown."""
+    v = m.__dict__.get("top_k")
+    if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= E:
+        return int(v)
+    return config_top_k(getattr(m, "config", None), E)
+
+
+def _clamp_attrs(m: Any) -> tuple[float, float] | None:
+    """(alpha, limit) of a gpt-oss-style clamped SwiGLU held on the experts module: ``alpha`` / ``limit``
+    (gpt-oss) or ``swiglu_alpha`` / ``swiglu_limit`` (MiniMax-M3)."""
+    for a_name, l_name in (("alpha", "limit"), ("swiglu_alpha", "swiglu_limit")):
+        alpha, limit = m.__dict__.get(a_name), m.__dict__.get(l_name)
+        if (isinstance(alpha, (int, float)) and isinstance(limit, (int, float))
+                and not isinstance(alpha, bool) and not isinstance(limit, bool)):
+            return float(alpha), float(limit)
     return None
 
 
@@ -644,9 +671,9 @@ def experts(m: Any) -> dict | None:
     name = _activation(act) if act is not None else None
     if name is not None:
         acts.append((name, None, None))
-    alpha, limit = m.__dict__.get("alpha"), m.__dict__.get("limit")
-    if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)) and not isinstance(alpha, bool):
-        acts.append(("swiglu_clamp", float(alpha), float(limit)))
+    clamp = _clamp_attrs(m)
+    if clamp is not None:
+        acts.append(("swiglu_clamp", *clamp))
     if not acts:
         return None
     E = p["E"]
@@ -687,6 +714,51 @@ def experts(m: Any) -> dict | None:
                     return {"experts": E, "hidden": H, "intermediate": I, "transposed": tr, "layout": layout,
                             "bias": p["bias"], "activation": an, "alpha": al, "limit": li, "top_k": _top_k(m, E)}
     return None
+
+
+def experts_misfit(m: Any) -> str:
+    """Why ``m`` (a MoE block's experts module) fits no ``Experts`` kind, by structure (one phrase);
+    "" when it does.  Checked in the order the recogniser needs them: 3-D gate_up_proj / down_proj,
+    forward(hidden, top_k_index, top_k_weights), an activation patchdsl probes, then the forward's
+    values against the reference."""
+    import inspect
+
+    torch = _torch()
+    m, _ = peft_param_base(m)
+    if experts(m) is not None:
+        return ""
+    cls = type(m).__name__
+    gu, dn = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj")
+    if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor)):
+        own = {n: tuple(p.shape) for n, p in m.named_parameters()}
+        if isinstance(m, torch.nn.ModuleList):
+            return (f"{cls} is a list of {len(m)} per-expert modules, not 3-D gate_up_proj / down_proj "
+                    "parameters")
+        held = ", ".join(f"{n} {list(s)}" for n, s in list(own.items())[:4]) or "no parameters"
+        return f"{cls} holds {held}, not 3-D gate_up_proj [E, 2I, H] / down_proj [E, H, I] parameters"
+    if _expert_params(m) is None:
+        return (f"{cls}'s gate_up_proj {list(gu.shape)} / down_proj {list(dn.shape)} are not [E, 2I, H] / "
+                "[E, H, I] (nor transposed) with matching biases")
+    try:
+        params = list(inspect.signature(_expert_forward(m)).parameters.values())[1:]
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        names = ", ".join(p.name for p in params) or "nothing"
+        return (f"{cls}.forward({names}) takes no top_k_index / top_k_weights (the block routes "
+                "and scales the tokens)")
+    act = getattr(m, "act_fn", None)
+    if _clamp_attrs(m) is None and (act is None or _activation(act) is None):
+        limits = {a: m.__dict__[a] for a in ("swiglu_limit", "limit", "softcap", "swiglu_softcap")
+                  if isinstance(m.__dict__.get(a), (int, float))}
+        if act is None:
+            held = ", ".join(f"{a}={v}" for a, v in limits.items())
+            return (f"{cls} has no act_fn or alpha" + (f", only {held}" if held else "")
+                    + ": not an activation fused_experts computes")
+        return f"{cls}'s act_fn {type(act).__name__} is not silu, gelu, gelu_tanh or gpt-oss's SwiGLU"
+    return (f"{cls}.forward does not compute sum_k w * down(act(gate) * up) of its 3-D weights for any layout "
+            "(probed in float64: a scale, norm or accumulation of its own)")
 
 
 MOE_ROUTER_NAMES = ("gate", "router")
@@ -740,6 +812,19 @@ def _router_roles(out: Any, k: int) -> tuple[Any, Any] | None:
     return w, ints[0]
 
 
+def _int_top_k(v: Any, E: int) -> int | None:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= E else None
+
+
+def _router_width(r: Any, E: int) -> int | None:
+    """How many classes a router without an own [experts, hidden] weight scores: the narrowest output
+    of its 2-D weights (own or of Linear children) that is ``E`` or more (a skip expert, shared experts
+    scored alongside); None when no weight of the router covers the experts."""
+    torch = _torch()
+    widths = [int(p.shape[0]) for _, p in r.named_parameters() if isinstance(p, torch.Tensor) and p.dim() == 2]
+    return min((w for w in widths if w >= E), default=None)
+
+
 @kind("MoEBlock", "a sparse MoE block: a router (softmax or sigmoid, top-k, DeepSeek-V3 grouped top-k with "
       "score-correction bias; probed), an Experts module and optional shared experts")
 def moe_block(m: Any) -> dict | None:
@@ -758,16 +843,26 @@ def moe_block(m: Any) -> dict | None:
     if w is None:
         lin = linear_like(r)
         w = lin.weight if lin is not None else None
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] != fe["experts"]:
-        return None
-    k = r.__dict__.get("top_k") or m.__dict__.get("top_k")
+    probe = isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == fe["experts"]
+    if not probe:
+        # a router whose scores come from elsewhere than its own [experts, hidden] weight: a Linear
+        # child (AFMoE's gate, HunYuan's wg), a router MLP (ZAYA: experts + 1 classes, the last a skip
+        # expert), shared experts scored with the routed ones (Inkling: [experts + shared, hidden]).
+        # Its formula is not probed (scoring "unknown"); the block is still a MoE block.
+        width = _router_width(r, fe["experts"])
+        if width is None:
+            return None
+    k = _int_top_k(r.__dict__.get("top_k"), fe["experts"]) or _int_top_k(m.__dict__.get("top_k"), fe["experts"])
     cfg = getattr(m, "config", None) or getattr(r, "config", None)
-    if not isinstance(k, int) and cfg is not None:
-        k = getattr(cfg, "num_experts_per_tok", None)
-    if not isinstance(k, int) or not 0 < k <= fe["experts"]:
+    if k is None:
+        k = config_top_k(cfg, fe["experts"]) or fe.get("top_k")
+    if k is None:
         return None
     facts: dict[str, Any] = {"experts": fe["experts"], "top_k": int(k), "hidden": fe["hidden"], "router": rname,
                              "scoring": "unknown", "norm_topk": None}
+    if not probe:
+        facts["router_width"] = width
+        return _moe_block_rest(m, fe, facts)
     E, h = fe["experts"], int(w.shape[1])
     g = torch.Generator().manual_seed(5)
     x = torch.randn(7, h, generator=g, dtype=torch.float64)
@@ -802,6 +897,11 @@ def moe_block(m: Any) -> dict | None:
                         facts.update(extra)
                         break
     facts.pop("_corr")
+    return _moe_block_rest(m, fe, facts)
+
+
+def _moe_block_rest(m: Any, fe: Mapping[str, Any], facts: dict) -> dict:
+    torch = _torch()
     shared = next((n for n in MOE_SHARED_NAMES if isinstance(m._modules.get(n), torch.nn.Module)), None)
     facts["shared"] = shared
     facts["shared_gate"] = isinstance(m._modules.get("shared_expert_gate"), torch.nn.Module)
