@@ -110,7 +110,15 @@ OPCHECK_RUNS = {
                                                     "model.layers.0.mlp: MLP -> fused_mlp(recompute=false)\n"),
     # the router (softmax, top-k, renormalisation): Mixtral's renormalises and keeps float32 weights
     "mixtral_router": (lambda: tiny_moe_model("mixtral").train(), "dtype fp32\n*.mlp.gate: Router -> fused_router\n"),
+    # the gated RMSNorm of Qwen3-Next's linear-attention layers (x and its gate both get gradients)
+    "qwen3_next_gated": (lambda: _gated_norm_model(), "dtype fp32\n*.linear_attn.norm: GatedRMSNorm -> fused_rmsnorm_gated\n"),
 }
+
+
+def _gated_norm_model():
+    from .test_gated_norms import tiny_qwen3_next
+
+    return tiny_qwen3_next().train()
 
 
 def _census_model(model_type: str):
