@@ -126,3 +126,11 @@ def ce_reference(x, y, ignore_index=-100, label_smoothing=0.0, softcap=None, z_l
     if num_items is not None:
         return per.sum() / (num_items.double() if torch.is_tensor(num_items) else num_items)
     return per.sum() / valid.sum().clamp_min(1)
+
+
+def rope_fwd_bwd(kern, q, k, cos, sin, dq, dk):
+    """(q out, k out, dq, dk) of a generated rope module's ``rope`` on copies of q and k."""
+    q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
+    qo, ko = kern.rope(q, k, cos, sin)
+    torch.autograd.backward((qo, ko), (dq, dk))
+    return qo, ko, q.grad, k.grad

@@ -21,6 +21,7 @@ from patchdsl.ops.registry import get_op
 from patchdsl.runtime import PatchError, patch_module
 
 from ..families import tiny_model
+from .helpers import rope_fwd_bwd as run
 from .helpers import DEVICE, TARGET, TOL, TORCH_DTYPES, assert_close, kernel_for, rel_err, sizes
 
 OP = "fused_rope"
@@ -47,13 +48,6 @@ def ref64(q, k, cos, sin, dq, dk):
     qo, ko = reference_rope(q64, k64, cos.double(), sin.double())
     torch.autograd.backward((qo, ko), (dq.double(), dk.double()))
     return qo.detach(), ko.detach(), q64.grad, k64.grad
-
-
-def run(kern, q, k, cos, sin, dq, dk):
-    q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
-    qo, ko = kern.rope(q, k, cos, sin)
-    torch.autograd.backward((qo, ko), (dq, dk))
-    return qo, ko, q.grad, k.grad
 
 
 # (batch, seq, q heads, kv heads, head_dim, rotary_dim, flags, cos batch)

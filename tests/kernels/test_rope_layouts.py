@@ -18,6 +18,7 @@ from patchdsl.ops.base import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.ops.rotary import LAYOUTS, reference_rotary, rope_function_layout, rotate
 
+from .helpers import rope_fwd_bwd as run
 from .helpers import DEVICE, TORCH_DTYPES, assert_close, kernel_for, sizes
 
 OP = "fused_rope"
@@ -43,13 +44,6 @@ def ref64(q, k, cos, sin, dq, dk, layout):
     qo, ko = reference_rotary(q64, k64, cos.double(), sin.double(), layout)
     torch.autograd.backward((qo, ko), (dq.double(), dk.double()))
     return qo.detach(), ko.detach(), q64.grad, k64.grad
-
-
-def run(kern, q, k, cos, sin, dq, dk):
-    q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
-    qo, ko = kern.rope(q, k, cos, sin)
-    torch.autograd.backward((qo, ko), (dq, dk))
-    return qo, ko, q.grad, k.grad
 
 
 # (batch, seq, q heads, kv heads, head_dim, rotary_dim, flags)
