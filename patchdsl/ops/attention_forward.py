@@ -360,7 +360,9 @@ def build_forward(an: AttentionAnalysis, qk_fn: Callable, norm_fn: Callable | No
                 v = kwargs.pop(alias)
                 if cp not in kwargs and ns.get(cp) is None:
                     ns[cp] = v
-        for n in named & kwargs.keys():
+        # a list comprehension, not `named & kwargs.keys()`: Dynamo cannot trace set & dict_keys
+        # (a compiled decoder layer, patchdsl.compile_layers, broke its graph there)
+        for n in [k for k in kwargs if k in named]:
             ns[n] = kwargs.pop(n)
         for n in required:
             if n not in ns:
