@@ -246,6 +246,9 @@ def _generated_ops():
     return [op for op in ops().values() if not op.external and op.triton_kernels]
 
 
+_UNTOUCHED = 64 << 20     # bytes: glibc serves allocations this large with fresh mmap pages
+
+
 def _no_matmul_mode():
     """A dispatch mode under which matrix products return zeros of the right shape, dtype and device
     instead of being computed.  The recording run needs only the shapes and dtypes that reach the
@@ -256,7 +259,9 @@ def _no_matmul_mode():
     from torch.utils._pytree import tree_map
 
     aten = torch.ops.aten
-    products = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+    # fp8_linear's torch._scaled_mm too: emulated on the CPU, one fp8 LM-head product at a 100k vocab
+    # took 10 s, once per flag variant
+    products = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
 
     def to_meta(x):
         return x.to("meta") if isinstance(x, torch.Tensor) else x
@@ -269,8 +274,12 @@ def _no_matmul_mode():
             shape = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
             out = kwargs.get("out")
             if out is not None:
-                out.resize_(shape.shape).zero_()
-                return out
+                out.resize_(shape.shape)
+                return out if out.numel() * out.element_size() >= _UNTOUCHED else out.zero_()
+            if shape.numel() * shape.element_size() >= _UNTOUCHED:
+                # a weight gradient at a real vocab (the LM head's [V, H]): writing zeros into it cost
+                # a third of the run; left unwritten, its pages come from the OS as zeros when touched
+                return torch.empty(shape.shape, dtype=shape.dtype, device=args[0].device)
             return torch.zeros(shape.shape, dtype=shape.dtype, device=args[0].device)
 
     return NoMatmul()
