@@ -14,6 +14,15 @@ the other runs of its family and dtype, and the module is reloaded after it (as 
 The verdict judges patchdsl; Liger's column is there to read beside it.
 
 Writes convergence.json and convergence.txt into $PART_OUT (or --out); prints the verdict last.
+
+    python bench/convergence.py --fp8 rowwise [--families llama,qwen3] [--size full] [--steps 100]
+
+fp8 projections (issue 26 item 2): per family, bf16, train with the shipped spec and with the spec
+plus `fp8_linear(recipe=...)` on every attention and MLP projection, same text and weights, and
+judge the fp8 run's losses against the bf16 run's with the stated tolerance
+(patchdsl.parity.convergence.FP8_STEP_RTOL per step, FP8_FINAL_RTOL on the mean of the last 10).
+`--size full` is Llama-3.2-1B's and Qwen3-0.6B's widths; writes convergence_fp8.json / .txt and
+prints `convergence_fp8: PASS|FAIL ...` last.
 """
 
 from __future__ import annotations
@@ -41,7 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="mini", choices=("mini", "tiny"))
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--out", default=os.environ.get("PART_OUT", "."))
+    ap.add_argument("--fp8", choices=("rowwise", "tensorwise"), help="fp8 projections against bf16 (see above)")
+    ap.add_argument("--fp8-emulate", action="store_true", help="fp8_linear(emulate=true): the recipe's numerics "
+                    "without fp8 matmuls (the CPU dry run)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the --fp8 run's model dtype")
+    ap.add_argument("--without", default="", help="--fp8: leave out the spec rules of these kinds (e.g. Attention: "
+                    "the CPU dry run, whose RoPE kernels are slow in the Triton interpreter)")
     a = ap.parse_args(argv)
+    if a.fp8:
+        return fp8_main(a)
     t0 = time.perf_counter()
     from patchdsl.parity import convergence as conv
 
@@ -108,6 +125,50 @@ def main(argv: list[str] | None = None) -> int:
     print(f"convergence: {'PASS' if ok else 'FAIL'}: patchdsl {n_ok}/{len(judged)} (family, dtype) pairs within "
           f"Liger's tolerances{f' ({missing} not run in the budget)' if missing else ''}; Liger itself "
           f"{lig_ok}/{len(lig)} ({time.perf_counter() - t0:.0f}s)")
+    return 0 if ok else 1
+
+
+def fp8_main(a: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    from patchdsl.parity import convergence as conv
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    families = [f for f in a.families.split(",") if f and f in conv.FAMILIES and (a.size != "full" or conv.FAMILIES[f].full)]
+    rows, lines = [], [f"fp8 projections (recipe={a.fp8}) against bf16, {a.size} models, {a.steps} steps of "
+                       f"{a.batch} x {a.seq}, AdamW lr {conv.LR}; ok = every step within {conv.FP8_STEP_RTOL:.0%} "
+                       f"and the last {conv.FP8_FINAL_STEPS} steps' mean within {conv.FP8_FINAL_RTOL:.0%}"]
+    for fam in families:
+        if a.budget - (time.perf_counter() - t0) < 10:
+            rows.append({"family": fam, "skipped": "not run: out of time"})
+            lines.append(f"  {fam}: not run: out of time")
+            continue
+        try:
+            ref, fp8, checks = conv.run_fp8(fam, device=a.device, size=a.size, steps=a.steps, batch=a.batch,
+                                            seq=a.seq, dtype=a.dtype, recipe=a.fp8, emulate=a.fp8_emulate,
+                                            without=tuple(w for w in a.without.split(",") if w))
+        except Exception as e:           # reported, never fatal
+            rows.append({"family": fam, "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+            lines.append(f"  {fam}: failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        ok = all(c.passed for c in checks)
+        rows.append({"family": fam, "passed": ok, "bf16": {"losses": ref.losses, "seconds": ref.seconds, "note": ref.note},
+                     "fp8": {"losses": fp8.losses, "seconds": fp8.seconds, "note": fp8.note},
+                     "checks": [c.to_json() for c in checks]})
+        lines.append(f"  {fam}: {'ok' if ok else 'FAIL'}; final loss bf16 {ref.losses[-1]:.4f}, fp8 {fp8.losses[-1]:.4f}; "
+                     + "; ".join(f"{c.quantity} {c.max_abs_err:.2e} ({c.worst})" for c in checks)
+                     + f"; {ref.seconds:.0f} s / {fp8.seconds:.0f} s")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    (out / "convergence_fp8.txt").write_text(text + "\n")
+    (out / "convergence_fp8.json").write_text(json.dumps({
+        "recipe": a.fp8, "size": a.size, "steps": a.steps, "batch": a.batch, "seq": a.seq, "device": a.device,
+        "step_rtol": conv.FP8_STEP_RTOL, "final_rtol": conv.FP8_FINAL_RTOL, "results": rows}, indent=1))
+    print(text)
+    judged = [r for r in rows if "passed" in r]
+    ok = bool(judged) and len(judged) == len(families) and all(r["passed"] for r in judged)
+    print(f"convergence_fp8: {'PASS' if ok else 'FAIL'}: {sum(r['passed'] for r in judged)}/{len(families)} families "
+          f"within the stated tolerance ({time.perf_counter() - t0:.0f}s)")
     return 0 if ok else 1
 
 

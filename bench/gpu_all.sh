@@ -46,7 +46,9 @@
 # random weights, bf16, batch 1 x 512, 1 step, text only, streamed float64 reference; vlm_verify/verify_<model>.json;
 # VLM_ARGS adds arguments: VLM_ARGS="--tiny --device cpu --dtype fp32 --seq 16" is its CPU dry run),
 # convergence (120 s; bench/convergence.py: Liger-style 32-step convergence test of mini Llama / Qwen3 / Gemma 3 on
-# real text, patchdsl vs unpatched vs Liger),
+# real text, patchdsl vs unpatched vs Liger), convergence_fp8 (240 s; bench/convergence.py --fp8 rowwise --size full:
+# Llama-3.2-1B- and Qwen3-0.6B-shaped, bf16, FP8_STEPS (100) steps of 8 x 512, the spec with fp8 projections against
+# the spec alone; verdict `convergence_fp8: PASS|FAIL`),
 # label_check (90 s; linear CE with the label check on and off, chunked and fused modes,
 # 16384x1024x151936 bf16, patchdsl rows, then bench/label_check_verdict.py's line), sweep (300 s; bench ops
 # --sweep-only), specialise (120 s; bench specialise), host_breakdown (80 s; bench/host_breakdown.py, plus --root .old
@@ -77,7 +79,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="e2e_8b moe moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="e2e_8b moe moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence convergence_fp8 label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -166,6 +168,7 @@ for part in $PARTS; do
     verify_scale) lim=$(limit verify_scale 300) ;;
     vlm_verify) lim=$(limit vlm_verify 270) ;;
     convergence) lim=$(limit convergence 120) ;;
+    convergence_fp8) lim=$(limit convergence_fp8 240) ;;
     moe) lim=$(limit moe 150) ;;
     mlp) lim=$(limit mlp 90) ;;
     moe_router) lim=$(limit moe_router 60) ;;
@@ -321,6 +324,14 @@ for part in $PARTS; do
       [ -f "$WORK/$part/$part.txt" ] && cat "$WORK/$part/$part.txt" >>"$WORK/summary.parts"
       v=$(grep -E "^$part: " "$LOG" | tail -n 1)
       status+=("${v:-$part: no verdict line}")
+      ;;
+    convergence_fp8)   # issue 26 item 2: fp8 projections against bf16 over real text (Llama-3.2-1B and Qwen3-0.6B widths)
+      mkdir -p "$WORK/convergence_fp8"
+      PART_OUT="$WORK/convergence_fp8" run_part convergence_fp8 "$lim" python3 bench/convergence.py --fp8 rowwise \
+        --families llama,qwen3 --size full --steps "${FP8_STEPS:-100}" --batch 8 --seq 512 --budget $(( lim - 10 ))
+      [ -f "$WORK/convergence_fp8/convergence_fp8.txt" ] && cat "$WORK/convergence_fp8/convergence_fp8.txt" >>"$WORK/summary.parts"
+      v=$(grep -E "^convergence_fp8: " "$LOG" | tail -n 1)
+      status+=("${v:-convergence_fp8: no verdict line}")
       ;;
     vlm_verify)   # issue 25: the multimodal specs on full-size vision-language models (language tower + loss)
       mkdir -p "$WORK/vlm_verify"

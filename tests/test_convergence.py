@@ -93,3 +93,66 @@ def test_compare_is_allclose_per_dtype():
     assert not conv.compare(r, nan, "bf16")[0].passed
     with pytest.raises(ValueError):
         conv.run_family("llama", dtype="fp8")
+
+
+# ---------------------------------------------------------------- fp8 projections against bf16 (issue 26 item 2)
+def _run(losses):
+    return conv.Run("patchdsl", list(losses), torch.zeros(1), {}, 0.0)
+
+
+FP8_CASES = [
+    # (name, fp8 losses against bf16 [4, 3, 2.5, 2.0], passes (steps, final))
+    ("identical", [4.0, 3.0, 2.5, 2.0], (True, True)),
+    ("within 1% per step, 0.2% at the end", [4.03, 2.98, 2.505, 2.005], (True, True)),
+    ("one step 1.5% off", [4.0, 3.045, 2.5, 2.0], (False, True)),
+    ("every step 0.8% high: steps ok, final mean not", [4.032, 3.024, 2.52, 2.016], (True, False)),
+    ("NaN", [4.0, float("nan"), 2.5, 2.0], (False, False)),
+    ("diverged", [4.0, 3.0, 5.0, 9.0], (False, False)),
+]
+
+
+@pytest.mark.parametrize("name,losses,want", FP8_CASES, ids=[c[0] for c in FP8_CASES])
+def test_compare_fp8_states_its_tolerance(name, losses, want):
+    checks = conv.compare_fp8(_run([4.0, 3.0, 2.5, 2.0]), _run(losses))
+    assert [c.quantity for c in checks] == ["loss", "final_loss"]
+    assert (checks[0].passed, checks[1].passed) == want, [(c.max_abs_err, c.detail) for c in checks]
+    assert checks[0].rtol == conv.FP8_STEP_RTOL and checks[1].rtol == conv.FP8_FINAL_RTOL
+
+
+def test_compare_fp8_refuses_runs_of_different_lengths():
+    assert not any(c.passed for c in conv.compare_fp8(_run([4.0, 3.0]), _run([4.0])))
+
+
+def test_fp8_convergence_bench_dry_run(tmp_path):
+    """bench/convergence.py --fp8 on the CPU: a tiny Llama, the recipe emulated, the RoPE rule left out
+    (slow in the interpreter): the fp8 run learns what the bf16 run does, within the stated tolerance."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "convergence.py"), "--fp8", "rowwise", "--fp8-emulate",
+                        "--families", "llama", "--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--steps", "4",
+                        "--batch", "1", "--seq", "32", "--without", "Attention", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1].startswith("convergence_fp8: PASS: 1/1")
+    js = json.loads((tmp_path / "convergence_fp8.json").read_text())
+    row = js["results"][0]
+    assert row["passed"] and len(row["fp8"]["losses"]) == 4
+    assert row["fp8"]["losses"] != row["bf16"]["losses"]          # fp8 really ran: not bit-identical
+    assert int(row["fp8"]["note"].split()[0]) > int(row["bf16"]["note"].split()[0])   # + the projections
+
+
+BROKEN_FP8 = [m for m in ALL_MUTATIONS if (m.op, m.name) == ("fp8_linear", "weight_scale_not_inverted")]
+
+
+@pytest.mark.parametrize("mutation", BROKEN_FP8, ids=[m.id for m in BROKEN_FP8])
+def test_a_broken_fp8_kernel_fails_the_fp8_convergence_check(mutation, mutate):  # noqa: F811
+    broken = mutate(mutation)          # the forward multiplies by the weight's scale instead of dividing
+    ref, fp8, checks = conv.run_fp8("llama", dtype="fp32", steps=6, batch=BATCH, seq=SEQ, device=DEVICE,
+                                    emulate=True, without=("Attention",))
+    assert broken
+    assert not checks[0].passed and not checks[1].passed, [(c.max_abs_err, c.detail) for c in checks]
+    assert len(set(fp8.losses)) == 1                   # it learns nothing (see FP8_STEP_RTOL's comment)

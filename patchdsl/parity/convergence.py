@@ -60,6 +60,7 @@ class Family:
     liger: str                      # liger_kernel.transformers.apply_liger_kernel_to_<liger>
     mini: dict[str, Any]            # Liger's mini-model config (GPU)
     tiny: dict[str, Any]            # a CPU-sized one (the Triton interpreter is slow)
+    full: dict[str, Any] = field(default_factory=dict)   # the released model's widths (the fp8 run, GPU)
 
 
 _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -71,12 +72,20 @@ FAMILIES: dict[str, Family] = {
                     dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192, rms_norm_eps=1e-5,
                          rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu"),
-                    dict(_TINY)),
+                    dict(_TINY),
+                    # meta-llama/Llama-3.2-1B
+                    dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_theta=500000.0, tie_word_embeddings=True, hidden_act="silu")),
     "qwen3": Family("qwen3", "qwen3", "qwen3",
                     dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, vocab_size=32000, max_position_embeddings=32768,
                          rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, hidden_act="silu"),
-                    dict(_TINY)),
+                    dict(_TINY),
+                    # Qwen/Qwen3-0.6B
+                    dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu")),
     "gemma3": Family("gemma3_text", "gemma3", "gemma3_text",
                      dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,
                           num_key_value_heads=1, head_dim=256, vocab_size=32000, max_position_embeddings=8192,
@@ -158,7 +167,10 @@ def build(family: str, size: str, dtype: str, device: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     f = FAMILIES[family]
-    cfg = AutoConfig.for_model(f.model_type, **(f.mini if size == "mini" else f.tiny),
+    widths = {"mini": f.mini, "tiny": f.tiny, "full": f.full}[size]
+    if not widths:
+        raise ValueError(f"{family} has no {size!r} size (sizes: mini, tiny" + (", full)" if f.full else ")"))
+    cfg = AutoConfig.for_model(f.model_type, **widths,
                                attention_dropout=0.0, bos_token_id=BOS, eos_token_id=BOS, pad_token_id=0)
     torch.manual_seed(SEED)
     if torch.device(device).type == "cuda":
@@ -294,6 +306,66 @@ def compare(ref: Run, run: Run, dtype: str) -> list[Check]:
                      f"{n_bad_p} of {len(ref.params)} parameters out of tolerance" if n_bad_p
                      else f"all {len(ref.params)} parameters"))
     return out
+
+
+# ---------------------------------------------------------------- fp8 projections against bf16 (issue 26 item 2)
+FP8_RULE = ("*.mlp.{{gate_proj,up_proj,down_proj}}, *.self_attn.{{q_proj,k_proj,v_proj,o_proj}}: "
+            "Linear -> fp8_linear(recipe={recipe}{emulate})\n")
+# The stated tolerance of an fp8 run against the bf16 run of the same spec, same data and same
+# initial weights.  Not bit-exact by nature: e4m3 keeps 3 mantissa bits, so every quantised operand
+# element carries up to 2^-4 relative rounding (rowwise scales keep the range, not the precision), and
+# the two runs take different optimisation paths.  What must hold is that they learn the same thing:
+# every step's loss within 1% of the bf16 run's, and the mean of the last 10 steps' losses within 0.5%.
+# Measured: 0.05% per step on a tiny Llama over 8 steps (CPU, emulated), 0.05% on Llama-3.2-1B over 12
+# steps (H100).  A model that stops learning fails these even where the loss barely moves: the suite's
+# broken fp8 kernel (the weight's scale not inverted: the norms hide the scale, the model outputs a
+# uniform distribution) stays at ln(257) while the bf16 run moves 1.8% in 6 steps.
+FP8_STEP_RTOL = 0.01
+FP8_FINAL_RTOL = 0.005
+FP8_FINAL_STEPS = 10
+
+
+def fp8_spec_text(family: str, recipe: str = "rowwise", emulate: bool = False, without: tuple[str, ...] = ()) -> str:
+    """The family's shipped spec plus every attention and MLP projection in fp8."""
+    return spec_text(family, without) + FP8_RULE.format(recipe=recipe, emulate=", emulate=true" if emulate else "")
+
+
+def compare_fp8(bf16: Run, fp8: Run) -> list[Check]:
+    """The fp8 run's losses against the bf16 run's (FP8_STEP_RTOL per step, FP8_FINAL_RTOL on the
+    mean of the last FP8_FINAL_STEPS); NaN or inf fails."""
+    import torch
+
+    ref, x = torch.tensor(bf16.losses, dtype=torch.float64), torch.tensor(fp8.losses, dtype=torch.float64)
+    if ref.shape != x.shape:
+        return [Check("loss", False, float("inf"), f"{x.numel()} steps against {ref.numel()}", 0.0, FP8_STEP_RTOL)]
+    rel = ((x - ref).abs() / ref.abs()).nan_to_num(float("inf"))
+    worst = int(rel.argmax()) + 1 if rel.numel() else 0
+    nbad = int((rel > FP8_STEP_RTOL).sum())
+    steps = Check("loss", nbad == 0 and bool(torch.isfinite(x).all()), float(rel.max()) if rel.numel() else 0.0,
+                  f"step {worst}", 0.0, FP8_STEP_RTOL,
+                  f"{nbad} of {x.numel()} steps beyond {FP8_STEP_RTOL:.0%}" if nbad else f"all {x.numel()} steps "
+                  f"(max|err| is relative)")
+    n = min(FP8_FINAL_STEPS, x.numel())
+    m_ref, m_x = float(ref[-n:].mean()), float(x[-n:].mean())
+    d = abs(m_x - m_ref) / abs(m_ref) if m_ref else float("inf")
+    d = d if math.isfinite(d) else float("inf")
+    final = Check("final_loss", d <= FP8_FINAL_RTOL, d, f"mean of the last {n} steps: {m_x:.4f} vs {m_ref:.4f}",
+                  0.0, FP8_FINAL_RTOL)
+    return [steps, final]
+
+
+def run_fp8(family: str, *, device: str = "cpu", size: str = "tiny", steps: int = 100, batch: int = 4, seq: int = 64,
+            dtype: str = "bf16", recipe: str = "rowwise", emulate: bool = False, without: tuple[str, ...] = (),
+            lr: float = LR) -> tuple[Run, Run, list[Check]]:
+    """Train ``family`` with its shipped spec and with the spec plus fp8 projections, on the same text
+    from the same weights; return both runs and :func:`compare_fp8`'s checks."""
+    ids, _ = tokens()
+    data = batches(ids, steps + 1, batch, seq)
+    eval_ids = data.pop()
+    ref = run_variant(family, "patchdsl", dtype, device, data, eval_ids, size, lr, spec_text(family, without))
+    fp8 = run_variant(family, "patchdsl", dtype, device, data, eval_ids, size, lr,
+                      fp8_spec_text(family, recipe, emulate, without))
+    return ref, fp8, compare_fp8(ref, fp8)
 
 
 @dataclass
