@@ -123,15 +123,9 @@ def _gated_norm_model():
 
 def _census_model(model_type: str):
     """A tiny model of any installed family, as the census builds it (train mode)."""
-    import logging
+    from .kernels.helpers import tiny_family
 
-    from patchdsl.census import build, tiny_family_config
-
-    logging.disable(logging.WARNING)
-    try:
-        return build(tiny_family_config(model_type)).train()
-    finally:
-        logging.disable(logging.NOTSET)
+    return tiny_family(model_type).train()
 
 
 def _spec(text_or_path):

@@ -5,8 +5,6 @@ tiny sizes)."""
 
 from __future__ import annotations
 
-import logging
-import warnings
 
 import pytest
 
@@ -14,6 +12,8 @@ from patchdsl.parity import verify
 from patchdsl.planner import plan
 from patchdsl.resources import shipped_spec
 from patchdsl.syntax import load_spec
+
+from .kernels.helpers import tiny_family
 
 # spec name -> model type of its family
 FAMILY_SPECS = {
@@ -24,22 +24,10 @@ FAMILY_SPECS = {
 }
 
 
-def _model(model_type):
-    from patchdsl.census import build, tiny_family_config
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            return build(tiny_family_config(model_type))
-        finally:
-            logging.disable(logging.NOTSET)
-
-
 @pytest.mark.parametrize("name", sorted(FAMILY_SPECS))
 def test_family_spec_plans_cleanly(name):
     spec = load_spec(shipped_spec(name))
-    p = plan(spec, _model(FAMILY_SPECS[name]))
+    p = plan(spec, tiny_family(FAMILY_SPECS[name]))
     assert not p.refused_sites, [(s.path, s.refused) for s in p.refused_sites]
     assert {s.op for s in p.sites} == {r.op.name for r in spec.rules}
 
@@ -61,6 +49,6 @@ SLOW_MIXERS = {"falcon_h1", "qwen3_5"}
 @pytest.mark.parametrize("name", sorted(set(FAMILY_SPECS) - SLOW_MIXERS))
 def test_family_spec_verifies(name):
     mt = FAMILY_SPECS[name]
-    rep = verify(load_spec(shipped_spec(name)), lambda: _model(mt), dtype="fp32", batch=1, seq=8, device="cpu")
+    rep = verify(load_spec(shipped_spec(name)), lambda: tiny_family(mt), dtype="fp32", batch=1, seq=8, device="cpu")
     assert rep.passed, [(r.path, r.quantity) for r in rep.failures()][:5]
     assert not rep.to_json().get("refused")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import logging
-import warnings
 
 import pytest
 import torch
@@ -18,19 +16,7 @@ from patchdsl.ops.kinds import gated_rmsnorm, swiglu
 from patchdsl.runtime import patch_module
 from patchdsl.suggestion import suggest
 
-from .kernels.helpers import TOL, rel_err
-
-
-def _family(model_type: str):
-    from patchdsl.census import build, tiny_family_config
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            return build(tiny_family_config(model_type))
-        finally:
-            logging.disable(logging.NOTSET)
+from .kernels.helpers import TOL, assert_no_worse_than_module, rel_err, tiny_family
 
 
 def _cls(family: str, name: str):
@@ -81,9 +67,7 @@ def test_patched_gated_norm_matches_float64(family, cls, activation, casting, dt
     assert not h.refused, h.refused
     got = run(pn, dtype)
     h.undo()
-    for name, r, a, b in zip(("y", "dx", "dgate", "dw"), ref, hf, got):
-        e_hf, e = rel_err(a, r), rel_err(b, r)
-        assert e <= max(4 * e_hf, TOL["fp32" if dtype == torch.float32 else "bf16"]), (name, e, e_hf)
+    assert_no_worse_than_module(("y", "dx", "dgate", "dw"), ref, hf, got, dtype)
 
 
 def test_a_plain_rmsnorm_is_refused_by_the_gated_op():
@@ -129,13 +113,13 @@ def test_patched_w1_w3_w2_mlp_matches_the_module(dtype):
 
 
 def test_bitnet_mlp_is_refused_naming_its_sub_norm():
-    s = suggest(_family("bitnet"), dtypes=("fp32",))
+    s = suggest(tiny_family("bitnet"), dtypes=("fp32",))
     why = [w for p, w in s.unpatched.items() if p.endswith(".mlp")]
     assert why and all("ffn_sub_norm" in w and "relu2" in w for w in why), why
 
 
 def test_xlm_norm_lists_are_not_norms():
-    s = suggest(_family("xlm"), dtypes=("fp32",))
+    s = suggest(tiny_family("xlm"), dtypes=("fp32",))
     assert not any("without a weight" in w for w in s.unpatched.values()), s.unpatched
     assert s.counts()["norms"][0] == s.counts()["norms"][1]
 
@@ -151,7 +135,7 @@ def test_suggestion_verifies(family, rule):
     from patchdsl.census import build, tiny_family_config
     from patchdsl.parity import verify
 
-    s = suggest(_family(family), dtypes=("fp32",))
+    s = suggest(tiny_family(family), dtypes=("fp32",))
     assert rule in s.text, s.text
     want = "norms" if "Norm" in rule else "mlp"
     assert s.counts()[want][0] == s.counts()[want][1], (s.counts(), s.unpatched)
@@ -163,7 +147,7 @@ def test_suggestion_verifies(family, rule):
 def tiny_qwen3_next():
     """A tiny Qwen3-Next (one linear-attention layer with its gated norm, one full-attention layer), norm
     weights drawn around 1 so that they matter (the generic suites' example of fused_rmsnorm_gated)."""
-    m = _family("qwen3_next")
+    m = tiny_family("qwen3_next")
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
         for n, p in m.named_parameters():

@@ -13,9 +13,7 @@ its reason.
 from __future__ import annotations
 
 import copy
-import logging
 import re
-import warnings
 
 import pytest
 import torch
@@ -24,17 +22,11 @@ from click.testing import CliRunner
 from patchdsl.parity import VerifyError, verify
 from patchdsl.parity.images import image_recipe, plan_recipe
 
+from .kernels.helpers import tiny_family
+
 
 def model_of(model_type: str, seed: int = 0):
-    from patchdsl.census import build, tiny_family_config
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            return build(tiny_family_config(model_type), seed=seed)
-        finally:
-            logging.disable(logging.NOTSET)
+    return tiny_family(model_type, seed)
 
 
 def vision_paths(model) -> set[str]:

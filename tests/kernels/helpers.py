@@ -134,3 +134,29 @@ def rope_fwd_bwd(kern, q, k, cos, sin, dq, dk):
     qo, ko = kern.rope(q, k, cos, sin)
     torch.autograd.backward((qo, ko), (dq, dk))
     return qo, ko, q.grad, k.grad
+
+
+def assert_no_worse_than_module(names, ref, hf, got, dtype) -> None:
+    """Each of the patched module's results (``got``) is within max(4 x the unpatched module's own
+    error, TOL) of the float64 reference ``ref``; ``hf``: the unpatched module's results in ``dtype``."""
+    tol = TOL["fp32" if dtype == torch.float32 else "bf16"]
+    for name, r, a, b in zip(names, ref, hf, got):
+        e_hf, e = rel_err(a, r), rel_err(b, r)
+        assert e <= max(4 * e_hf, tol), (name, e, e_hf)
+
+
+def tiny_family(model_type: str, seed: int = 0):
+    """A tiny random-weight model of any installed family, as the census builds it (fp32, CPU), with
+    transformers' warnings and log lines about the tiny config silenced."""
+    import logging
+    import warnings
+
+    from patchdsl.census import build, tiny_family_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            return build(tiny_family_config(model_type), seed)
+        finally:
+            logging.disable(logging.NOTSET)

@@ -4,27 +4,17 @@ dropout elsewhere is refused with that reason, not "does not compute down_proj(s
 
 from __future__ import annotations
 
-import logging
-import warnings
 
 import pytest
 import torch
 
 from patchdsl.runtime import PatchError, patch_module
 
-from .helpers import rel_err
+from .helpers import rel_err, tiny_family
 
 
 def _seed_oss():
-    from patchdsl.census import build, tiny_family_config
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            return build(tiny_family_config("seed_oss"))
-        finally:
-            logging.disable(logging.NOTSET)
+    return tiny_family("seed_oss")
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -3,8 +3,6 @@ offset 1 and patched by fused_layernorm, judged against float64."""
 
 from __future__ import annotations
 
-import logging
-import warnings
 
 import pytest
 import torch
@@ -12,19 +10,11 @@ import torch
 from patchdsl.index import build_index
 from patchdsl.runtime import patch_module
 
-from .helpers import TOL, rel_err
+from .helpers import assert_no_worse_than_module, tiny_family
 
 
 def _nemotron(seed=0):
-    from patchdsl.census import build, tiny_family_config
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            return build(tiny_family_config("nemotron"), seed)
-        finally:
-            logging.disable(logging.NOTSET)
+    return tiny_family("nemotron", seed)
 
 
 def test_layernorm1p_is_a_layernorm_with_offset_1_and_plain_layernorm_has_none():
@@ -63,9 +53,7 @@ def test_patched_layernorm1p_matches_float64(dtype, seed):
     h = patch_module(pn, "fused_layernorm")
     got = run(pn, dtype)
     h.undo()
-    for name, r, a, b in zip(("y", "dx", "dw", "db"), ref, hf, got):
-        e_hf, e = rel_err(a, r), rel_err(b, r)
-        assert e <= max(4 * e_hf, TOL["fp32" if dtype == torch.float32 else "bf16"]), (name, e, e_hf)
+    assert_no_worse_than_module(("y", "dx", "dw", "db"), ref, hf, got, dtype)
 
 
 def test_forcing_offset_0_on_layernorm1p_is_wrong():
