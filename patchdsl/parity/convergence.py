@@ -151,6 +151,14 @@ def batches(ids: Any, n: int, batch: int, seq: int) -> list[Any]:
     return list(stream.view(n, batch, seq).unbind(0)) if n else [torch.empty(0)]
 
 
+def training_data(steps: int, batch: int, seq: int) -> tuple[list[Any], Any, str]:
+    """(``steps`` training batches, the evaluation batch after the last of them, where the text came from)."""
+    ids, where = tokens()
+    data = batches(ids, steps + 1, batch, seq)
+    eval_ids = data.pop()
+    return data, eval_ids, where
+
+
 # ---------------------------------------------------------------- one run
 @dataclass
 class Run:
@@ -343,7 +351,7 @@ def compare_fp8(bf16: Run, fp8: Run) -> list[Check]:
     nbad = int((rel > FP8_STEP_RTOL).sum())
     steps = Check("loss", nbad == 0 and bool(torch.isfinite(x).all()), float(rel.max()) if rel.numel() else 0.0,
                   f"step {worst}", 0.0, FP8_STEP_RTOL,
-                  f"{nbad} of {x.numel()} steps beyond {FP8_STEP_RTOL:.0%}" if nbad else f"all {x.numel()} steps "
+                  f"{nbad} of {x.numel()} steps beyond {FP8_STEP_RTOL * 100:g}%" if nbad else f"all {x.numel()} steps "
                   f"(max|err| is relative)")
     n = min(FP8_FINAL_STEPS, x.numel())
     m_ref, m_x = float(ref[-n:].mean()), float(x[-n:].mean())
@@ -359,9 +367,7 @@ def run_fp8(family: str, *, device: str = "cpu", size: str = "tiny", steps: int 
             lr: float = LR) -> tuple[Run, Run, list[Check]]:
     """Train ``family`` with its shipped spec and with the spec plus fp8 projections, on the same text
     from the same weights; return both runs and :func:`compare_fp8`'s checks."""
-    ids, _ = tokens()
-    data = batches(ids, steps + 1, batch, seq)
-    eval_ids = data.pop()
+    data, eval_ids, _ = training_data(steps, batch, seq)
     ref = run_variant(family, "patchdsl", dtype, device, data, eval_ids, size, lr, spec_text(family, without))
     fp8 = run_variant(family, "patchdsl", dtype, device, data, eval_ids, size, lr,
                       fp8_spec_text(family, recipe, emulate, without))
@@ -421,9 +427,7 @@ def run_family(family: str, *, dtype: str = "fp32", device: str = "cpu", size: s
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
     say = log or (lambda m: None)
-    ids, where = tokens()
-    data = batches(ids, steps + 1, batch, seq)
-    eval_ids = data.pop()                 # the batch after the last training batch
+    data, eval_ids, where = training_data(steps, batch, seq)
     res = FamilyResult(family, dtype, size, steps, batch, seq, where)
     order = ["unpatched"] + [v for v in variants if v != "unpatched"]   # Liger patches classes globally: last
     order = [v for v in order if v != "liger"] + (["liger"] if "liger" in variants else [])   # (then reverted)
