@@ -306,9 +306,7 @@ SHIPPED = [f for f, (_, _, spec) in MOE_FAMILIES.items() if spec]
 def test_shipped_moe_spec_verifies(family):
     from patchdsl import verify
     from patchdsl.resources import shipped_spec
-    from patchdsl.syntax import load_spec
-
-    from patchdsl.syntax import parse_spec
+    from patchdsl.syntax import load_spec, parse_spec
 
     path = shipped_spec(MOE_FAMILIES[family][2])
     shipped = load_spec(path)

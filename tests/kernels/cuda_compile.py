@@ -251,7 +251,7 @@ _UNTOUCHED = 64 << 20     # bytes: glibc serves allocations this large with fres
 
 def _no_matmul_mode():
     """A dispatch mode under which matrix products return zeros of the right shape, dtype and device
-    instead of being computed.  The recording run needs only the shapes and dtypes that reach the
+    (unwritten memory from _UNTOUCHED bytes up) instead of being computed.  The recording run needs only the shapes and dtypes that reach the
     kernel launches, and CPU bf16 matmuls at real widths (LM head, MLP) take many minutes on CPUs
     without native bf16 support (a fresh CI machine spent over 900 s in them)."""
     import torch
@@ -277,16 +277,13 @@ def _no_matmul_mode():
                 out.resize_(shape.shape)
                 return out if out.numel() * out.element_size() >= _UNTOUCHED else out.zero_()
             if shape.numel() * shape.element_size() >= _UNTOUCHED:
-                # a weight gradient at a real vocab (the LM head's [V, H]): writing zeros into it cost
-                # a third of the run; left unwritten, its pages come from the OS as zeros when touched
+                # a weight gradient at a real vocab (the LM head's [V, H]): writing zeros into it cost a
+                # third of the run.  Left unwritten (no value of a product reaches a recorded launch's
+                # specialisation, only shapes and dtypes do), and fresh mmap pages read as zeros anyway
                 return torch.empty(shape.shape, dtype=shape.dtype, device=args[0].device)
             return torch.zeros(shape.shape, dtype=shape.dtype, device=args[0].device)
 
     return NoMatmul()
-
-
-def _NoMatmul():
-    return _no_matmul_mode()
 
 
 def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bool = True) -> dict:
@@ -298,7 +295,6 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
     from triton.runtime.jit import KernelInterface
 
     from patchdsl.index import build_index
-    from patchdsl.ops.registry import ops
     from patchdsl.runtime.patch import kernel_getter
 
     assert os.environ.get("TRITON_INTERPRET") == "0", "run with TRITON_INTERPRET=0"
@@ -315,7 +311,7 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
     report = {"variant": variant, "sites": {}, "compiled": [], "uncompiled": [], "errors": []}
     KernelInterface.__getitem__ = record
     t_start = time.time()
-    no_matmul = _NoMatmul()
+    no_matmul = _no_matmul_mode()
     no_matmul.__enter__()
     try:
         for dtype in dtypes:
@@ -378,22 +374,23 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
         # binary, so the second is recorded as compiled with the first's result (fp8_linear emits one
         # module per projection shape with identical quantisation kernels)
         key = (fn.cache_key, json.dumps(sig), repr(sorted(consts.items())), repr(sorted(opts.items())))
+
+        def compiled(seconds, **extra):
+            compiled_src.setdefault(fn.fn.__module__, set()).add(fn.__name__)
+            report["compiled"].append({"module": fn.fn.__module__, "kernel": fn.__name__, "signature": sig,
+                                       "constexprs": {k: repr(v) for k, v in consts.items()}, "options": opts,
+                                       "seconds": seconds, **extra})
+
         if key in done:
             if done[key] is not None:
-                compiled_src.setdefault(fn.fn.__module__, set()).add(fn.__name__)
-                report["compiled"].append({"module": fn.fn.__module__, "kernel": fn.__name__, "signature": sig,
-                                           "constexprs": {k: repr(v) for k, v in consts.items()}, "options": opts,
-                                           "seconds": 0.0, "same_as_earlier": True})
+                compiled(0.0, same_as_earlier=True)
             continue
         t0 = time.time()
         print(f"[{t0 - t_compile:6.1f}s] compiling {fn.fn.__module__}.{fn.__name__}", file=sys.stderr, flush=True)
         try:
             triton.compile(ASTSource(fn, sig, constexprs=consts), target=target, options=opts)
             done[key] = time.time() - t0
-            compiled_src.setdefault(fn.fn.__module__, set()).add(fn.__name__)
-            report["compiled"].append(
-                {"module": fn.fn.__module__, "kernel": fn.__name__, "signature": sig, "constexprs": {
-                    k: repr(v) for k, v in consts.items()}, "options": opts, "seconds": round(done[key], 2)})
+            compiled(round(done[key], 2))
         except Exception as e:        # collect all failures, then report them together
             done[key] = None
             report["errors"].append(f"{fn.fn.__module__}.{fn.__name__} {sig} {consts} {opts}: "
