@@ -22,6 +22,7 @@ leaves the rows it reached (and says so in the header).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import re
 import signal
@@ -163,10 +164,24 @@ def _alarm(_sig, _frame):
     raise _Timeout()
 
 
-def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_TIMEOUT_S) -> Row:
-    """One family's row (never raises for a family's failure)."""
+@contextlib.contextmanager
+def quiet():
+    """transformers' warnings and log lines (about tiny configs, missing fast kernels, ...) silenced
+    while building and running a family's tiny model."""
     import logging
     import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
+
+
+def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_TIMEOUT_S) -> Row:
+    """One family's row (never raises for a family's failure)."""
 
     from .suggestion import suggest
 
@@ -175,9 +190,7 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
     if old is not None:
         signal.alarm(timeout_s)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            logging.disable(logging.WARNING)
+        with quiet():
             try:
                 cfg = tiny_family_config(model_type)
             except Exception as e:
@@ -242,7 +255,6 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
         if old is not None:
             signal.alarm(0)
             signal.signal(signal.SIGALRM, old)
-        logging.disable(logging.NOTSET)
     return row
 
 
@@ -262,14 +274,11 @@ def image_batch_check(config) -> tuple[bool | None, str]:
     tried: the shrunk model does not build or is still large).  ``patchdsl suggest`` asks this before
     keeping a vision tower's rules, so that verify of its suggestion can judge them."""
     import copy
-    import logging
     import warnings
 
     from .models.loading import tiny_config
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
+    with quiet():
         try:
             cfg = copy.deepcopy(config)
             cfg = shrink_composite(cfg, tiny_config) if hasattr(getattr(cfg, "text_config", None), "to_dict") \
@@ -280,8 +289,8 @@ def image_batch_check(config) -> tuple[bool | None, str]:
             model = build(cfg)
         except Exception as e:
             return None, f"a tiny model of its config does not build: {_short(e)}"
-        finally:
-            logging.disable(logging.NOTSET)
+    with warnings.catch_warnings():           # (transformers' log lines are shown again here)
+        warnings.simplefilter("ignore")
         r, why = _image_recipe(model)
     return r is not None, why
 
