@@ -8,7 +8,8 @@ from patchdsl.resources import specs_dir
 
 from .families import FAMILIES, tiny_model
 from .moe_families import MOE_FAMILIES, tiny_moe_model
-from .test_family_specs import FAMILY_SPECS, _model as family_model
+from .kernels.helpers import tiny_family as family_model
+from .test_family_specs import FAMILY_SPECS
 from .test_vlm import VLM_SPECS, vlm_model
 
 pytest.importorskip("accelerate")
