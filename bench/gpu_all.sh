@@ -34,6 +34,9 @@
 # pass = "N passed", no failure), moe (150 s; bench/moe_bench.py: experts fwd+bwd at the Qwen3-30B-A3B layer shape, patchdsl vs
 # grouped_mm / batched_mm / Liger / matmul floor, then a 4-layer Qwen3-30B-A3B-shaped model 4x2048 default vs patchdsl vs Liger,
 # each in its own process; moe.json / moe.txt),
+# fp8_ops (90 s; bench/fp8_bench.py: fp8_linear(recipe=rowwise) against bf16, kernel by kernel, for the seven projections
+# of a Llama-3.1-8B layer at 4x2048 tokens and a Llama-3.2-1B layer at 8x2048: each quantisation kernel (GB/s), each
+# _scaled_mm and bf16 GEMM (TFLOP/s), the whole projection through autograd; fp8.json / fp8.txt),
 # mlp (90 s; bench/mlp_bench.py: fused_mlp on StarCoder2-3B's and Minitron-4B's plain MLPs, bf16, 8x2048 tokens: fwd+bwd
 # time and bytes saved for backward, eager vs fused_mlp vs recompute=false, errors against fp32; mlp.json / mlp.txt),
 # moe_router (60 s; bench/moe_router_bench.py: Qwen3-30B-A3B's router, 16384 tokens, hidden 2048, 128 experts, top 8,
@@ -79,7 +82,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="e2e_8b moe moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence convergence_fp8 label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="e2e_8b fp8_ops moe moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence convergence_fp8 label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -171,6 +174,7 @@ for part in $PARTS; do
     convergence_fp8) lim=$(limit convergence_fp8 240) ;;
     moe) lim=$(limit moe 150) ;;
     mlp) lim=$(limit mlp 90) ;;
+    fp8_ops) lim=$(limit fp8_ops 90) ;;
     moe_router) lim=$(limit moe_router 60) ;;
     rope_layouts) lim=$(limit rope_layouts 90) ;;
   esac
@@ -359,6 +363,12 @@ for part in $PARTS; do
       run_part mlp "$lim" python3 bench/mlp_bench.py --out "$WORK/mlp" --budget $(( lim - 30 ))
       [ -f "$WORK/mlp/mlp.txt" ] && cat "$WORK/mlp/mlp.txt" >>"$WORK/summary.parts"
       status+=("mlp: $(grep -E '^mlp: ' "$LOG" | tail -n 1 | cut -c1-400)")
+      ;;
+    fp8_ops)   # issue 26 item 2/3: where an fp8 projection's time goes (quantisation kernels vs _scaled_mm vs bf16)
+      mkdir -p "$WORK/fp8_ops"
+      run_part fp8_ops "$lim" python3 bench/fp8_bench.py --out "$WORK/fp8_ops" --budget $(( lim - 30 ))
+      [ -f "$WORK/fp8_ops/fp8.txt" ] && cat "$WORK/fp8_ops/fp8.txt" >>"$WORK/summary.parts"
+      status+=("fp8_ops: $(grep -E '^fp8 \(' "$LOG" | tail -n 1 | cut -c1-600)")
       ;;
     moe_router)   # does the fused router pay? (issue 24) fused_router vs the module at the Qwen3-30B-A3B shape
       mkdir -p "$WORK/moe_router"

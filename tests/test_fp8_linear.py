@@ -366,3 +366,48 @@ def test_bench_fp8_spec_plans_every_projection_of_the_real_shapes(gpu, family, n
     p = patchdsl.plan("dtype bf16\n" + "\n".join(rule) + "\n", model, target="cuda", dtypes=("bf16",))
     assert len(p.sites) == n_proj * model.config.num_hidden_layers
     assert all(a == b for _, a, b in p.totals), p.totals
+
+
+def _fp8_bench():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "fp8_bench.py")
+    spec_ = importlib.util.spec_from_file_location("fp8_bench", path)
+    bench = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(bench)
+    return bench
+
+
+def test_fp8_bench_layer_totals_count_a_shared_input_once():
+    """bench/fp8_bench.py's layer sum: x's quantisation (rows and columns) once per sibling group (q/k/v,
+    gate/up: the generated module quantises their shared input once), every other piece per projection."""
+    bench = _fp8_bench()
+    pieces = {"bf16 fwd": 1, "bf16 dgrad": 1, "bf16 wgrad": 1, "fp8 fwd mm": 0.5, "fp8 dgrad mm": 0.5,
+              "fp8 wgrad mm": 0.5, "quant x rows": 0.1, "quant x cols^T": 0.2, "quant W rows": 0.01,
+              "quant W cols^T": 0.02, "quant dy rows": 0.03, "quant dy cols^T": 0.04}
+    projs = [{"projection": p, "group": g, "pieces": {n: {"ms": v} for n, v in pieces.items()},
+              "whole bf16 ms": 3.0, "whole fp8 ms": 2.0} for p, (_, g) in bench.PROJ.items()]
+    tot = bench.layer_totals(projs)
+    groups = len({g for _, g in bench.PROJ.values()})          # qkv, o, gu, down: 4
+    assert groups == 4
+    assert tot["bf16_ms"] == pytest.approx(7 * 3)
+    assert tot["fp8_gemm_ms"] == pytest.approx(7 * 1.5)
+    assert tot["fp8_quant_ms"] == pytest.approx(groups * 0.3 + 7 * 0.1)
+    assert tot["fp8_ms"] == pytest.approx(tot["fp8_gemm_ms"] + tot["fp8_quant_ms"])
+    assert tot["whole_fp8_ms"] == pytest.approx(14.0)
+
+
+def test_fp8_bench_cpu_dry_run(tmp_path, capsys):
+    """gpu_all part fp8_ops, at tiny sizes on the CPU (interpreter, emulated matmuls): every piece of every
+    projection is timed and the summary line comes last (no timing is judged)."""
+    import json
+
+    bench = _fp8_bench()
+    assert bench.main(["--tiny", "--shapes", "llama8b", "--out", str(tmp_path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("fp8 (cpu): llama8b layer (7 projections"), last
+    data = json.loads((tmp_path / "fp8.json").read_text())["shapes"]["llama8b"]
+    assert [p["projection"] for p in data["projections"]] == list(bench.PROJ)
+    assert all(len(p["pieces"]) == 12 and all(v["ms"] > 0 for v in p["pieces"].values()) for p in data["projections"])
+    assert data["layer"]["fp8_ms"] > 0 and (tmp_path / "fp8.txt").read_text().strip().splitlines()[-1] == last
