@@ -157,12 +157,13 @@ def test_quantisation_within_the_formats_roundoff(recipe):
         assert ((q.double() * inv.double() - dy.double()).abs() > q_err_bound(dy, inv, "e4m3")).any()
 
 
-@pytest.mark.parametrize("shape,pad", [((37, 64), 16), ((48, 80), 16), ((5, 4100), 1), ((16, 48), 1)])
+@pytest.mark.parametrize("shape,pad", [((37, 64), 16), ((48, 80), 16), ((5, 4100), 1), ((16, 48), 1), ((200, 16), 16)])
 def test_quantisation_kernels_equal_the_torch_reference(shape, pad):
     """The rowwise recipe's Triton quantisation (a row's amax and cast in one program; the column
     amax, then scale + cast + transpose) gives the torch reference's bits: values, scales, padding.
-    Inputs include exact powers of two (the pow2 scale's boundary), an outlier, a zero row and a row
-    4100 wide (two column blocks of the row kernel)."""
+    Inputs include exact powers of two (the pow2 scale's boundary), an outlier, a zero row, a row
+    4100 wide (two column blocks of the row kernel) and 200 rows (the column amax in four row chunks,
+    merged by atomic max: the first and last chunks hold the two outliers)."""
     mod = kernel("rowwise", 64, 48)
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
     t = torch.randn(*shape, generator=g)
