@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--out", default=os.environ.get("PART_OUT", "."))
     ap.add_argument("--fp8", choices=("rowwise", "tensorwise"), help="fp8 projections against bf16 (see above)")
+    ap.add_argument("--fp8-control", action="store_true", help="--fp8: also train the unpatched bf16 model and report "
+                    "its per-step gap to the bf16 run next to fp8's (the drift two bf16 implementations already show)")
     ap.add_argument("--fp8-emulate", action="store_true", help="fp8_linear(emulate=true): the recipe's numerics "
                     "without fp8 matmuls (the CPU dry run)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the --fp8 run's model dtype")
@@ -150,12 +152,24 @@ def fp8_main(a: argparse.Namespace) -> int:
             lines.append(f"  {fam}: failed: {type(e).__name__}: {str(e)[:300]}")
             continue
         ok = all(c.passed for c in checks)
-        rows.append({"family": fam, "passed": ok, "bf16": {"losses": ref.losses, "seconds": ref.seconds, "note": ref.note},
-                     "fp8": {"losses": fp8.losses, "seconds": fp8.seconds, "note": fp8.note},
-                     "checks": [c.to_json() for c in checks]})
+        row = {"family": fam, "passed": ok, "bf16": {"losses": ref.losses, "seconds": ref.seconds, "note": ref.note},
+               "fp8": {"losses": fp8.losses, "seconds": fp8.seconds, "note": fp8.note},
+               "checks": [c.to_json() for c in checks]}
         lines.append(f"  {fam}: {'ok' if ok else 'FAIL'}; final loss bf16 {ref.losses[-1]:.4f}, fp8 {fp8.losses[-1]:.4f}; "
                      + "; ".join(f"{c.quantity} {c.max_abs_err:.2e} ({c.worst})" for c in checks)
                      + f"; {ref.seconds:.0f} s / {fp8.seconds:.0f} s")
+        if a.fp8_control and a.budget - (time.perf_counter() - t0) > 10:
+            ctl = conv.run_control(fam, device=a.device, size=a.size, steps=a.steps, batch=a.batch, seq=a.seq,
+                                   dtype=a.dtype)
+            g = conv.control_gaps(ref, fp8, ctl)
+            row["control"] = {"losses": ctl.losses, "seconds": ctl.seconds, **g}
+            med = g["median_fp8_over_control"]
+            lines[-1] += (f"; control (unpatched bf16 vs the bf16 run, reported, not judged): max step gap "
+                          f"{g['control_max'] * 100:.2f}% (step {g['control_worst_step']}), fp8's {g['fp8_max'] * 100:.2f}%"
+                          + (f", median fp8/control {med:.1f}x" if med is not None else "")
+                          + "".join(f"; step {b['step']}: fp8 {b['fp8'] * 100:.2f}% vs control {b['control'] * 100:.2f}%"
+                                    for b in g["steps_beyond"][:5]))
+        rows.append(row)
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     (out / "convergence_fp8.txt").write_text(text + "\n")

@@ -119,6 +119,23 @@ def test_compare_fp8_states_its_tolerance(name, losses, want):
     assert checks[0].rtol == conv.FP8_STEP_RTOL and checks[1].rtol == conv.FP8_FINAL_RTOL
 
 
+def test_control_gaps_put_fp8_next_to_two_bf16_runs():
+    """control_gaps: per step, fp8's gap to the bf16 run next to the unpatched bf16 model's; the steps
+    beyond the stated 1% listed with both; the median ratio over steps; nothing judged."""
+    bf16 = _run([4.0, 3.0, 2.0, 2.0])
+    fp8 = _run([4.0, 3.06, 2.01, 2.0])           # 0, 2%, 0.5%, 0
+    ctl = _run([4.004, 3.03, 2.001, 2.002])      # 0.1%, 1%, 0.05%, 0.1%
+    g = conv.control_gaps(bf16, fp8, ctl)
+    assert g["control_max"] == pytest.approx(0.01) and g["control_worst_step"] == 2
+    assert g["fp8_max"] == pytest.approx(0.02)
+    assert [b["step"] for b in g["steps_beyond"]] == [2]
+    assert g["steps_beyond"][0]["fp8"] == pytest.approx(0.02) and g["steps_beyond"][0]["control"] == pytest.approx(0.01)
+    assert g["median_fp8_over_control"] == pytest.approx(2.0)          # ratios 0, 2, 10, 0 -> sorted [0, 0, 2, 10]
+    # a NaN step is an infinite gap, listed, and left out of the ratios
+    g = conv.control_gaps(bf16, _run([4.0, float("nan"), 2.0, 2.0]), ctl)
+    assert g["steps_beyond"][0]["fp8"] == float("inf") and g["median_fp8_over_control"] == 0.0
+
+
 def test_compare_fp8_refuses_runs_of_different_lengths():
     assert not any(c.passed for c in conv.compare_fp8(_run([4.0, 3.0]), _run([4.0])))
 
@@ -134,7 +151,7 @@ def test_fp8_convergence_bench_dry_run(tmp_path):
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, str(root / "bench" / "convergence.py"), "--fp8", "rowwise", "--fp8-emulate",
                         "--families", "llama", "--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--steps", "4",
-                        "--batch", "1", "--seq", "32", "--without", "Attention", "--out", str(tmp_path)],
+                        "--batch", "1", "--seq", "32", "--without", "Attention", "--fp8-control", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1].startswith("convergence_fp8: PASS: 1/1")
@@ -143,6 +160,9 @@ def test_fp8_convergence_bench_dry_run(tmp_path):
     assert row["passed"] and len(row["fp8"]["losses"]) == 4
     assert row["fp8"]["losses"] != row["bf16"]["losses"]          # fp8 really ran: not bit-identical
     assert int(row["fp8"]["note"].split()[0]) > int(row["bf16"]["note"].split()[0])   # + the projections
+    ctl = row["control"]                                           # the unpatched model on the same text
+    assert len(ctl["losses"]) == 4 and ctl["losses"][0] == pytest.approx(row["bf16"]["losses"][0], rel=1e-4)
+    assert ctl["control_max"] < 0.01 and "control (unpatched" in r.stdout
 
 
 BROKEN_FP8 = [m for m in ALL_MUTATIONS if (m.op, m.name) == ("fp8_linear", "weight_scale_not_inverted")]

@@ -325,7 +325,10 @@ FP8_RULE = ("*.mlp.{{gate_proj,up_proj,down_proj}}, *.self_attn.{{q_proj,k_proj,
 # the two runs take different optimisation paths.  What must hold is that they learn the same thing:
 # every step's loss within 1% of the bf16 run's, and the mean of the last 10 steps' losses within 0.5%.
 # Measured: 0.05% per step on a tiny Llama over 8 steps (CPU, emulated), 0.05% on Llama-3.2-1B over 12
-# steps (H100).  A model that stops learning fails these even where the loss barely moves: the suite's
+# steps (H100).  The 100-step run (H100, 2026-12-06): Qwen3-0.6B within it (0.59% at worst), Llama-3.2-1B
+# not: 3 steps of the first ten beyond 1% (2.0% at worst), while the bf16 run's own loss swung 8 -> 15 -> 8;
+# the last-10 mean within 0.04%.  The tolerance stays as stated; :func:`control_gaps` reports how far two
+# bf16 runs (the spec, the unpatched model) already drift apart at each step, next to the verdict.  A model that stops learning fails these even where the loss barely moves: the suite's
 # broken fp8 kernel (the weight's scale not inverted: the norms hide the scale, the model outputs a
 # uniform distribution) stays at ln(257) while the bf16 run moves 1.8% in 6 steps.
 FP8_STEP_RTOL = 0.01
@@ -360,6 +363,35 @@ def compare_fp8(bf16: Run, fp8: Run) -> list[Check]:
     final = Check("final_loss", d <= FP8_FINAL_RTOL, d, f"mean of the last {n} steps: {m_x:.4f} vs {m_ref:.4f}",
                   0.0, FP8_FINAL_RTOL)
     return [steps, final]
+
+
+def step_gaps(ref: Run, other: Run) -> list[float]:
+    """Per step, |other's loss - ref's| / |ref's| (inf where either is not finite)."""
+    return [abs(b - a) / abs(a) if math.isfinite(a) and math.isfinite(b) and a else float("inf")
+            for a, b in zip(ref.losses, other.losses)]
+
+
+def control_gaps(bf16: Run, fp8: Run, control: Run) -> dict[str, Any]:
+    """The fp8 run's per-step gaps next to a control's: the unpatched bf16 model against the same bf16
+    run (same text, same initial weights).  Two bf16 implementations differ by rounding only, so
+    their gap is the drift any perturbation of that size already causes on this trajectory; a step
+    where fp8's gap is many times the control's is where fp8 itself moves the run.  Reported, never
+    judged (the verdict is :func:`compare_fp8`'s stated tolerance)."""
+    f, c = step_gaps(bf16, fp8), step_gaps(bf16, control)
+    worst_c = max(range(len(c)), key=c.__getitem__) if c else -1
+    beyond = [{"step": i + 1, "fp8": f[i], "control": c[i]} for i in range(min(len(f), len(c))) if f[i] > FP8_STEP_RTOL]
+    ratios = sorted(a / b for a, b in zip(f, c) if b > 0 and math.isfinite(a) and math.isfinite(b))
+    return {"control_max": c[worst_c] if c else 0.0, "control_worst_step": worst_c + 1,
+            "fp8_max": max(f) if f else 0.0, "steps_beyond": beyond,
+            "median_fp8_over_control": ratios[len(ratios) // 2] if ratios else None}
+
+
+def run_control(family: str, *, device: str = "cpu", size: str = "tiny", steps: int = 100, batch: int = 4,
+                seq: int = 64, dtype: str = "bf16", lr: float = LR) -> Run:
+    """The unpatched model trained on :func:`run_fp8`'s text from the same weights (the control of
+    :func:`control_gaps`)."""
+    data, eval_ids, _ = training_data(steps, batch, seq)
+    return run_variant(family, "unpatched", dtype, device, data, eval_ids, size, lr)
 
 
 def run_fp8(family: str, *, device: str = "cpu", size: str = "tiny", steps: int = 100, batch: int = 4, seq: int = 64,
