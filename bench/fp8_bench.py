@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -80,7 +81,7 @@ def measure_projection(name, k, n, m, dev, tiny, t):
 
     mod = kernel_module(k, n, tiny)
     dt = torch.float32 if tiny else torch.bfloat16
-    g = torch.Generator(device="cpu").manual_seed(hash(name) % 2 ** 31)
+    g = torch.Generator(device="cpu").manual_seed(zlib.crc32(name.encode()))     # the same inputs every run
     x = (torch.randn(m, k, generator=g)).to(dev, dt)
     w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dev, dt)
     dy = (torch.randn(m, n, generator=g) * 1e-2).to(dev, dt)
@@ -92,8 +93,7 @@ def measure_projection(name, k, n, m, dev, tiny, t):
     wtq, wts = mod.quant_cols_t(w, e4)
     dtq, dts = mod.quant_cols_t(dy, e4, pad)
     xtq, xts = mod.quant_cols_t(x, e4, pad)
-    out = torch.bfloat16 if not tiny else torch.float32
-    b = 4 if tiny else 2                                  # bytes of an element of x / W / dy
+    b = x.element_size()                                  # bytes of an element of x / W / dy
     rows = lambda r, c: r * c * (b + 1)                   # one read, one fp8 write   # noqa: E731
     cols = lambda r, c: r * c * (2 * b + 1)               # amax read, then read + write   # noqa: E731
     fl = 2.0 * m * k * n
@@ -103,13 +103,13 @@ def measure_projection(name, k, n, m, dev, tiny, t):
         "bf16 wgrad": (lambda: dy.t() @ x, None, fl, "bwd"),
         "quant x rows": (lambda: mod.quant_rows(x, e4), rows(m, k), None, "fwd"),
         "quant W rows": (lambda: mod.quant_rows(w, e4), rows(n, k), None, "fwd"),
-        "fp8 fwd mm": (lambda: mod.scaled_mm(xq, xs, wq, ws, out, True), None, fl, "fwd"),
+        "fp8 fwd mm": (lambda: mod.scaled_mm(xq, xs, wq, ws, dt, True), None, fl, "fwd"),
         "quant dy rows": (lambda: mod.quant_rows(dy, e4), rows(m, n), None, "bwd"),
         "quant W cols^T": (lambda: mod.quant_cols_t(w, e4), cols(n, k), None, "bwd"),
-        "fp8 dgrad mm": (lambda: mod.scaled_mm(dq, ds, wtq, wts, out, False), None, fl, "bwd"),
+        "fp8 dgrad mm": (lambda: mod.scaled_mm(dq, ds, wtq, wts, dt, False), None, fl, "bwd"),
         "quant dy cols^T": (lambda: mod.quant_cols_t(dy, e4, pad), cols(m, n), None, "bwd"),
         "quant x cols^T": (lambda: mod.quant_cols_t(x, e4, pad), cols(m, k), None, "bwd"),
-        "fp8 wgrad mm": (lambda: mod.scaled_mm(dtq, dts, xtq, xts, out, False), None, fl, "bwd"),
+        "fp8 wgrad mm": (lambda: mod.scaled_mm(dtq, dts, xtq, xts, dt, False), None, fl, "bwd"),
     }
     res = {"projection": name, "in": k, "out": n, "tokens": m, "pieces": {}}
     for pname, (fn, nbytes, flops, _) in pieces.items():
@@ -133,12 +133,16 @@ def measure_projection(name, k, n, m, dev, tiny, t):
 
     from patchdsl.codegen import share
 
+    before = os.environ.get("PATCHDSL_SHARE")
     os.environ["PATCHDSL_SHARE"] = "0"           # one projection alone: nothing to share
     try:
         res["whole bf16 ms"] = t(whole(lambda a, c: torch.nn.functional.linear(a, c)), reps=1)
         res["whole fp8 ms"] = t(whole(lambda a, c: mod.fp8_linear(a, c)), reps=1)
     finally:
-        os.environ.pop("PATCHDSL_SHARE", None)
+        if before is None:
+            os.environ.pop("PATCHDSL_SHARE", None)
+        else:
+            os.environ["PATCHDSL_SHARE"] = before
         share.clear()
     return res
 
