@@ -563,6 +563,46 @@ def test_moe_bench_cpu_dry_run(tmp_path):
     assert {"grouped_mm", "batched_mm", "matmul floor"} <= {k for k, r in rows.items() if "fwd_bwd_ms" in r}
 
 
+def _moe_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "moe_bench.py"
+    spec = importlib.util.spec_from_file_location("moe_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _e2e(model, impl, ms=None, skipped=None):
+    return {"model": model, "impl": impl, **({"step_ms": ms} if ms else {"skipped": skipped})}
+
+
+_OPS = [{"impl": "grouped_mm", "fwd_bwd_ms": 2.0}, {"impl": "patchdsl", "fwd_bwd_ms": 1.0, "rel_err_vs_grouped_mm": 1e-3}]
+MOE_VERDICTS = [
+    # (what, result, the verdict starts with, it contains)
+    ("e2e", {"e2e": [_e2e("mixtral", "default", 159.1), _e2e("mixtral", "patchdsl", 144.5),
+                     _e2e("gpt_oss", "default", 434.1), _e2e("gpt_oss", "patchdsl", 404.0)]},
+     "moe: e2e ", "mixtral patchdsl 1.10x default, gpt_oss patchdsl 1.07x default"),
+    ("e2e", {"e2e": [_e2e("mixtral", "default", 159.1), _e2e("mixtral", "patchdsl", skipped="timed out after 60s")]},
+     "moe: FAIL ", "mixtral patchdsl: timed out after 60s"),
+    ("e2e", {"e2e": []}, "moe: FAIL nothing measured", ""),
+    ("ops,e2e", {"ops": _OPS}, "moe: PASS experts 2.00x grouped_mm", "e2e incomplete"),
+    ("ops", {"ops": [{"impl": "grouped_mm", "fwd_bwd_ms": 2.0}, {"impl": "patchdsl", "fwd_bwd_ms": 1.0,
+                                                                 "rel_err_vs_grouped_mm": 0.5}]},
+     "moe: FAIL (numerics)", ""),
+    ("ops", {"ops": [{"impl": "patchdsl", "skipped": "no GPU"}]}, "moe: FAIL no experts timing", "no GPU"),
+]
+
+
+@pytest.mark.parametrize("what,res,starts,has", MOE_VERDICTS, ids=[f"{w}-{i}" for i, (w, *_) in enumerate(MOE_VERDICTS)])
+def test_moe_bench_verdict(what, res, starts, has):
+    """The summary line gpu_all.sh keeps: an e2e-only run is judged on its e2e rows (it once printed
+    'FAIL no experts timing' over two finished models), a missing row fails, bad numerics fail."""
+    line = _moe_bench().verdict(res, what, 12.0)
+    assert line.startswith(starts) and has in line, line
+
+
 # ---------------------------------------------------------------- at a real layer shape (GPU)
 def _experts_real_shape(device, T, H, E, k, I, dtype, seed=0):
     """fused_experts and transformers' own experts forward (its default implementation) in ``dtype``, both
