@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="mini", choices=("mini", "tiny", "full"))
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--out", default=os.environ.get("PART_OUT", "."))
-    ap.add_argument("--fp8", choices=("rowwise", "tensorwise"), help="fp8 projections against bf16 (see above)")
+    from patchdsl.ops.fp8_linear import RECIPES
+
+    ap.add_argument("--fp8", choices=tuple(RECIPES), help="fp8 projections against bf16 (see above)")
     ap.add_argument("--fp8-control", action="store_true", help="--fp8: also train the unpatched bf16 model and report "
                     "its per-step gap to the bf16 run next to fp8's (the drift two bf16 implementations already show)")
     ap.add_argument("--fp8-emulate", action="store_true", help="fp8_linear(emulate=true): the recipe's numerics "

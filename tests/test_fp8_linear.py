@@ -45,7 +45,7 @@ def gpu(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ planning / refusal
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", list(fp8op.RECIPES))
 def test_plans_every_projection_on_hopper(gpu, recipe):
     gpu((9, 0), "NVIDIA H200")
     model = tiny_model("qwen3", num_hidden_layers=2)
@@ -56,6 +56,7 @@ def test_plans_every_projection_on_hopper(gpu, recipe):
     assert all(s.flag_dict["recipe"] == recipe and not s.flag_dict["emulate"] for s in p.sites)
     k = p.sites[0].keys[0].param_dict
     assert k["formats"] == "_".join(fp8op.RECIPES[recipe]) and k["target"] == "cuda"
+    assert k["hp_grad_weight"] == (recipe in fp8op.HP_GRAD_WEIGHT)
 
 
 REFUSALS = [   # (target, GPU or None, what the error must say)
@@ -134,19 +135,19 @@ def mm_bound(a, ai, fa, b, bi, fb, out_u):
     return ea @ b64.abs().t() + a64.abs() @ eb.t() + ea @ eb.t() + (g + out_u * (1 + g)) * (ah @ bh.t())
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", list(fp8op.RECIPES))
 def test_quantisation_within_the_formats_roundoff(recipe):
     mod = kernel(recipe, 64, 48)
     x, w, dy = data(37, 64, 48, seed=1)
     fmts = fp8op.RECIPES[recipe]
-    dim = -1 if recipe == "rowwise" else None
+    dim = -1 if recipe.startswith("rowwise") else None
     for t, fmt, fp8 in ((x, fmts[0], mod.X_FP8), (w, fmts[1], mod.W_FP8), (dy, fmts[2], mod.DY_FP8)):
         q, inv = mod.quantise(t, fp8, dim)
         assert q.dtype == fp8 and torch.isfinite(q.float()).all()
         deq = q.double() * inv.double()
         assert ((deq - t.double()).abs() <= q_err_bound(t, inv, fmt)).all(), fmt
         amax = q.float().abs().amax(dim=-1) if dim == -1 else q.float().abs().amax()
-        if recipe == "rowwise":     # power-of-two scales: the largest element lands in [max/2, max]
+        if dim == -1:               # rowwise: power-of-two scales: the largest element lands in [max/2, max]
             assert torch.equal(torch.log2(inv), torch.round(torch.log2(inv)))
             assert (amax >= mod.FP8_MAX[fp8] / 2).all() and (amax <= mod.FP8_MAX[fp8]).all()
         else:
@@ -233,26 +234,32 @@ def test_siblings_share_one_quantisation_of_their_input():
     assert not torch.equal(a, b)
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", list(fp8op.RECIPES))
 @pytest.mark.parametrize("m", [37, 48])
 def test_forward_and_backward_within_the_recipes_bound(recipe, m):
     """y, grad_input and grad_weight of the emulated recipe against float64, element by element; the
-    token count 37 is not a multiple of 16 (dW's reduction is padded)."""
+    token count 37 is not a multiple of 16 (dW's reduction is padded).  A recipe with grad_weight in
+    high precision: dW is the fp32 product, within fp32's rounding, and no longer fp8's error."""
     k, n = 64, 48
     mod = kernel(recipe, k, n, bias=True)
     x, w, dy = data(m, k, n, seed=2)
     b = torch.randn(n) * 0.1
     fx, fw, fd = (getattr(mod, a) for a in ("X_FP8", "W_FP8", "DY_FP8"))
     names = fp8op.RECIPES[recipe]
-    rw = recipe == "rowwise"
-    dim = -1 if rw else None
+    dim = -1 if recipe.startswith("rowwise") else None
 
     y = mod.fp8_linear_forward(x, w, b)
     dx, dw, db = mod.fp8_linear_backward(dy, x, w, True, True, True)
     checks = []      # (name, result, a, its format, b^T, its format): result ~ a @ (b^T)^T
     checks.append(("y", y - b, x, fx, names[0], w, fw, names[1]))                       # along k
     checks.append(("grad_input", dx, dy, fd, names[2], w.t().contiguous(), fw, names[1]))    # along n
-    checks.append(("grad_weight", dw, dy.t().contiguous(), fd, names[2], x.t().contiguous(), fx, names[0]))  # tokens
+    exact_dw = dy.double().t() @ x.double()
+    if recipe in fp8op.HP_GRAD_WEIGHT:
+        rel_dw = float((dw.double() - exact_dw).norm() / exact_dw.norm())
+        assert rel_dw < 1e-6, rel_dw               # fp32's rounding, not fp8's (~1e-2)
+    else:
+        checks.append(("grad_weight", dw, dy.t().contiguous(), fd, names[2], x.t().contiguous(), fx, names[0]))
+        assert float((dw.double() - exact_dw).norm() / exact_dw.norm()) > 1e-4     # fp8's error
     for name, got, a, pa, fa, bt, pb, fb in checks:
         qa, ai = mod.quantise(a, pa, dim)
         qb, bi = mod.quantise(bt, pb, dim)
@@ -272,7 +279,7 @@ def test_forward_and_backward_within_the_recipes_bound(recipe, m):
         assert rel <= fp8op.tolerance_floor(recipe, "fp32") / 2, (name, rel)
 
 
-@pytest.mark.parametrize("recipe,dtype", [("rowwise", "bf16"), ("tensorwise", "fp32")])
+@pytest.mark.parametrize("recipe,dtype", [("rowwise", "bf16"), ("tensorwise", "fp32"), ("rowwise_with_gw_hp", "bf16")])
 def test_verify_passes_emulated_sites_against_the_recipes_floor(recipe, dtype):
     report = patchdsl.verify(spec(recipe, emulate=True, dtype=dtype), lambda: tiny_model("qwen3", num_hidden_layers=1),
                              dtype=dtype, batch=2, seq=8, device="cpu")
@@ -321,7 +328,7 @@ def _gpu_kernel(recipe: str, k: int, n: int, emulate: bool):
 
 @pytest.mark.gpu
 @fp8_gpu
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", list(fp8op.RECIPES))
 def test_gpu_scaled_mm_computes_the_emulated_recipe(recipe):
     """torch._scaled_mm on the GPU gives the products of the same quantised operands as the emulated
     recipe (differences: fp32 accumulation order, fast accumulation in the forward), and stays within
@@ -397,6 +404,9 @@ def test_fp8_bench_layer_totals_count_a_shared_input_once():
     assert tot["fp8_quant_ms"] == pytest.approx(groups * 0.3 + 7 * 0.1)
     assert tot["fp8_ms"] == pytest.approx(tot["fp8_gemm_ms"] + tot["fp8_quant_ms"])
     assert tot["whole_fp8_ms"] == pytest.approx(14.0)
+    # rowwise_with_gw_hp: per projection the fp8 wgrad (0.5) and dy's columns (0.04) give way to the bf16
+    # wgrad (1); x's columns (0.2) once per group
+    assert tot["gw_hp_ms"] == pytest.approx(tot["fp8_ms"] - 7 * (0.5 + 0.04 - 1) - groups * 0.2)
 
 
 def test_fp8_bench_cpu_dry_run(tmp_path, capsys):

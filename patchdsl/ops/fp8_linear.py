@@ -9,6 +9,9 @@ Recipes (the scaling of torchao.float8's training recipes of the same names):
 * ``rowwise``: one scale per row of each operand along the matmul's reduction dimension (for the
   forward: per token of x, per output channel of W; the backward re-quantises along its own
   reduction dimensions), every operand in e4m3, scales rounded down to powers of two.
+* ``rowwise_with_gw_hp``: ``rowwise`` for the forward and grad_input; grad_weight (dW = dy^T x, a
+  reduction over every token) in the model's own dtype, as torchao's recipe of that name: the
+  accuracy recipe, one matmul of three left in bf16.
 
 Forward and backward call ``torch._scaled_mm`` (fp8 tensor cores: compute capability >= 8.9, i.e.
 Hopper/Ada).  Where fp8 matmuls cannot run the op is refused at plan time, naming the site:
@@ -30,7 +33,10 @@ from .registry import register
 # Unit roundoff (half the spacing at 1) of the fp8 formats: e4m3 has 3 mantissa bits, e5m2 has 2.
 UNIT_ROUNDOFF = {"e4m3": 2.0 ** -4, "e5m2": 2.0 ** -3}
 # (input, weight, grad_output) formats of each recipe (torchao.float8's recipes of the same names)
-RECIPES = {"tensorwise": ("e4m3", "e4m3", "e5m2"), "rowwise": ("e4m3", "e4m3", "e4m3")}
+RECIPES = {"rowwise": ("e4m3", "e4m3", "e4m3"), "tensorwise": ("e4m3", "e4m3", "e5m2"),
+           "rowwise_with_gw_hp": ("e4m3", "e4m3", "e4m3")}
+# recipes whose grad_weight matmul (dy^T x) runs in the model's dtype, not in fp8
+HP_GRAD_WEIGHT = frozenset({"rowwise_with_gw_hp"})
 MIN_CAPABILITY = (8, 9)
 ALIGN = 16          # torch._scaled_mm: both dimensions of the weight multiples of 16
 
@@ -43,10 +49,12 @@ def tolerance_floor(recipe: str, dtype: str) -> float:
     subnormal terms), and on verify's random inputs the rounding errors add up like a random walk,
     so the relative Frobenius error measured is ~0.3-0.4 of that (e4m3 x e4m3: ~0.05); the factor 2
     leaves room for cancellation in sum_k a_k b_k.  A wrong scale, a dropped dequantisation or a
-    transposed operand is off by O(1).  e4m3 x e4m3: 0.254 + floor; e5m2 x e4m3: 0.383 + floor."""
+    transposed operand is off by O(1).  e4m3 x e4m3: 0.254 + floor; e5m2 x e4m3: 0.383 + floor.
+    A recipe that keeps grad_weight in high precision leaves out that matmul's pair (dy, x)."""
     fmts = RECIPES[recipe]
+    pairs = [(fmts[0], fmts[1]), (fmts[2], fmts[1])] + ([] if recipe in HP_GRAD_WEIGHT else [(fmts[2], fmts[0])])
     worst = 0.0
-    for a, b in ((fmts[0], fmts[1]), (fmts[2], fmts[1]), (fmts[2], fmts[0])):
+    for a, b in pairs:
         ua, ub = UNIT_ROUNDOFF[a], UNIT_ROUNDOFF[b]
         worst = max(worst, ua + ub + ua * ub)
     return 2.0 * worst + DTYPE_FLOORS.get(dtype, 0.0)
@@ -83,8 +91,9 @@ class FP8Linear(Op):
            "scales; refused where fp8 matmuls cannot run; verify judges it against the recipe's bound")
     flags = (
         FlagSpec("recipe", "choice", "rowwise", "tensorwise: one scale per tensor, grads in e5m2; rowwise: a scale "
-                 "per row along each matmul's reduction dimension, all e4m3, power-of-two scales",
-                 choices=("rowwise", "tensorwise")),
+                 "per row along each matmul's reduction dimension, all e4m3, power-of-two scales; rowwise_with_gw_hp: "
+                 "rowwise with grad_weight in the model's dtype (the accuracy recipe)",
+                 choices=tuple(RECIPES)),
         FlagSpec("emulate", "bool", False, "run the quantisation with an fp32 matmul of the dequantised fp8 values "
                  "instead of fp8 matmuls (CPU / older GPUs: the recipe's numerics, not its speed)"),
     )
@@ -97,6 +106,7 @@ class FP8Linear(Op):
         recipe = flags.get("recipe", "rowwise")
         return {"dtype": dtype, "in_features": int(f["in_features"]), "out_features": int(f["out_features"]),
                 "bias": bool(f["bias"]), "recipe": recipe, "formats": "_".join(RECIPES[recipe]),
+                "hp_grad_weight": recipe in HP_GRAD_WEIGHT,
                 "emulate": bool(flags.get("emulate", False)), "target": target}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
