@@ -26,7 +26,7 @@
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
 # By name only (not in "all"): e2e_8b (300 s; Llama-3.1-8B-shaped 4x2048 (B8; MB8 sets a micro-batch: on an 80 GB card MB8=1), built on the GPU: patchdsl with the
-# llama spec and with bench/specs/llama_fp8.kpatch, Liger, HF; each in its own process; LLAMA_SPECS="--spec llama
+# llama spec and with bench/specs/llama_fp8.kpatch (E8B_SPECS replaces these --spec arguments), Liger, HF; each in its own process; LLAMA_SPECS="--spec llama
 # --spec bench/specs/llama_fp8.kpatch" gives e2e_llama the fp8 row too), compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
 # (regional) vs patchdsl.compile_model (whole) vs plain torch.compile of the patched model, each in its own process;
 # COMPILE_VARIANTS picks rows, e.g. COMPILE_VARIANTS=compile T_COMPILE_PERF=300 T_VARIANT=280 for torch.compile alone),
@@ -216,7 +216,7 @@ for part in $PARTS; do
       ;;
     e2e_8b)   # issue 26 item 3: Llama-3.1-8B-shaped, built on the GPU, bf16 AdamW: patchdsl (bf16 and fp8 projections) vs Liger vs HF
       e2e e2e_8b "$lim" --model meta-llama/Llama-3.1-8B --batch "${B8:-4}" --seq 2048 --steps "${STEPS_8B:-4}" --warmup 2 \
-        --variants "${E8B_VARIANTS:-patchdsl,liger,hf}" --spec llama --spec bench/specs/llama_fp8.kpatch \
+        --variants "${E8B_VARIANTS:-patchdsl,liger,hf}" ${E8B_SPECS:---spec llama --spec bench/specs/llama_fp8.kpatch} \
         --variant-timeout "${T_VARIANT:-110}" ${MB8:+--micro-batch "$MB8"}
       ;;
     e2e_gemma)

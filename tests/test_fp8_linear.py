@@ -361,18 +361,28 @@ def test_gpu_verify_passes_real_fp8_sites():
     assert len(report.sites) == 7
 
 
-@pytest.mark.parametrize("family,n_proj", [("Qwen/Qwen3-0.6B", 7), ("meta-llama/Llama-3.2-1B", 7)])
-def test_bench_fp8_spec_plans_every_projection_of_the_real_shapes(gpu, family, n_proj):
-    """bench/specs/qwen3_fp8.kpatch's rule on the full architectures (meta device, a pretend H200):
-    every projection's dimensions are multiples of 16, so every one is an fp8 site."""
-    from patchdsl.bench.e2e import resolve_spec
+BENCH_FP8 = [("Qwen/Qwen3-0.6B", "qwen3_fp8", "rowwise"), ("meta-llama/Llama-3.2-1B", "llama_fp8", "rowwise"),
+             ("meta-llama/Llama-3.1-8B", "llama_fp8", "rowwise"),
+             ("meta-llama/Llama-3.1-8B", "llama_fp8_gw_hp", "rowwise_with_gw_hp")]
+
+
+@pytest.mark.parametrize("family,spec_name,recipe", BENCH_FP8, ids=[f"{s}-{f.split('/')[1]}" for f, s, _ in BENCH_FP8])
+def test_bench_fp8_spec_plans_every_projection_of_the_real_shapes(gpu, family, spec_name, recipe):
+    """The fp8 specs of bench/specs/ on the full architectures (meta device, a pretend H200): every
+    projection's dimensions are multiples of 16, so each of the 7 per layer is an fp8 site of the
+    spec's recipe, and every other rule plans too."""
+    from patchdsl.bench.e2e import filtered_spec
     from patchdsl.models import load_model
 
     gpu((9, 0), "NVIDIA H200")
     model = load_model(family, meta=True, log=None).model
-    rule = [ln for ln in open(resolve_spec("qwen3_fp8")).read().splitlines() if "fp8_linear" in ln]
-    p = patchdsl.plan("dtype bf16\n" + "\n".join(rule) + "\n", model, target="cuda", dtypes=("bf16",))
-    assert len(p.sites) == n_proj * model.config.num_hidden_layers
+    text, dropped, _ = filtered_spec(spec_name)
+    assert not dropped
+    p = patchdsl.plan(text, model, target="cuda", dtypes=("bf16",))
+    fp8 = [s for s in p.sites if s.op == "fp8_linear"]
+    assert len(fp8) == 7 * model.config.num_hidden_layers
+    assert {s.flag_dict["recipe"] for s in fp8} == {recipe}
+    assert len(p.sites) > len(fp8)                 # the shipped rules around them
     assert all(a == b for _, a, b in p.totals), p.totals
 
 
