@@ -59,7 +59,7 @@ def kernel_module(k, n, tiny):
     dtype, target = ("fp32", "interpreter") if tiny else ("bf16", "cuda")
     info = ModuleInfo("p", "Linear", (), {"Linear": {"in_features": k, "out_features": n, "bias": False}}, dtype)
     p = op.key_params(info, {"recipe": "rowwise", "emulate": tiny}, dtype, target)
-    return load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+    return load_kernel(KernelKey.for_op(op, p))
 
 
 def timer(dev):

@@ -197,7 +197,7 @@ def run_ops(budget: float) -> list[dict]:
         facts = recognise(mod)
         info = ModuleInfo("experts", type(mod).__name__, (), {"Experts": facts})
         params_k = op.key_params(info, {}, "bf16" if dev == "cuda" else "fp32", TARGET)
-        kmod = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params_k), params_k))
+        kmod = load_kernel(KernelKey.for_op(op, params_k))
         case("patchdsl", lambda x, i, w: kmod.experts(x, i, w, mod.gate_up_proj, mod.down_proj), params)
         rows[-1]["tiles"] = {"BM": params_k["BM"], **kmod.TILES}
         # correctness at this shape against grouped_mm (bf16 both; relative Frobenius error)

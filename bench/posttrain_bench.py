@@ -157,7 +157,7 @@ def patchdsl_kernels(vocab: int, hidden: int, dtype: str, dev: torch.device):
     facts = {"vocab": vocab, "hidden": hidden, "bias": False, "softcap": None, "logits_scaling": None, "tied": False}
     info = ModuleInfo("lm_head", "Linear", (), {"CausalLM": facts}, dtype=dtype)
     p = op.key_params(info, op.default_flags(), dtype, "cuda" if dev.type == "cuda" else "interpreter")
-    return load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+    return load_kernel(KernelKey.for_op(op, p))
 
 
 def torch_logprobs(h, w, y, temperature=1.0, entropy=False):

@@ -308,7 +308,7 @@ def build_site(op: Any, path: str, cls: str, host: str, info: ModuleInfo, flags:
     for dt in dtypes:
         try:
             params = op.key_params(info, flags, dt, target)
-            key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+            key = KernelKey.for_op(op, params)
             if not op.external:         # external ops load a third-party kernel: nothing is rendered
                 validate_key(key)
         except CodegenError as e:

@@ -31,7 +31,7 @@ def _key(hidden=32, dtype="fp32", **facts):
     f.update(facts)
     info = ModuleInfo("m", "M", (), {"RMSNorm": f}, dtype=dtype)
     p = op.key_params(info, op.default_flags(), dtype, "interpreter")
-    return KernelKey.make(op.name, op.template, op.kernel_name(p), p)
+    return KernelKey.for_op(op, p)
 
 
 def _with(key, **changes):

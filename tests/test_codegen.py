@@ -22,7 +22,7 @@ def _key(hidden=1024, dtype="bf16", target="interpreter", **facts):
     f.update(facts)
     info = ModuleInfo("m", "M", (), {"RMSNorm": f}, dtype=dtype)
     p = op.key_params(info, op.default_flags(), dtype, target)
-    return KernelKey.make(op.name, op.template, op.kernel_name(p), p)
+    return KernelKey.for_op(op, p)
 
 
 def test_render_is_pure_and_has_a_provenance_header():

@@ -207,7 +207,7 @@ def test_op_names_unique_per_specialisation_and_registration_idempotent():
     keys = []
     for eps in (1e-6, 1e-5):
         p = op.key_params(info, {"eps": eps}, "fp32", "interpreter")
-        keys.append(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+        keys.append(KernelKey.for_op(op, p))
     assert keys[0].name == keys[1].name        # the readable name does not show eps ...
     mods = [load_kernel(k) for k in keys]
     names = [tuple(o._schema.name for o in m.CUSTOM_OPS) for m in mods]

@@ -107,7 +107,7 @@ def kernel(recipe: str, k: int, n: int, bias: bool = False):
     op = get_op("fp8_linear")
     info = ModuleInfo("p", "Linear", (), {"Linear": {"in_features": k, "out_features": n, "bias": bias}}, "fp32")
     p = op.key_params(info, {"recipe": recipe, "emulate": True}, "fp32", "interpreter")
-    return load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+    return load_kernel(KernelKey.for_op(op, p))
 
 
 def data(m, k, n, seed):
@@ -323,7 +323,7 @@ def _gpu_kernel(recipe: str, k: int, n: int, emulate: bool):
     op = get_op("fp8_linear")
     info = ModuleInfo("p", "Linear", (), {"Linear": {"in_features": k, "out_features": n, "bias": False}}, "bf16")
     p = op.key_params(info, {"recipe": recipe, "emulate": emulate}, "bf16", "cuda")
-    return load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+    return load_kernel(KernelKey.for_op(op, p))
 
 
 @pytest.mark.gpu

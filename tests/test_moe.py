@@ -106,7 +106,7 @@ def test_a_dense_mlp_is_not_experts():
 def _kernel(facts, dtype):
     op = get_op("fused_experts")
     params = op.key_params(ModuleInfo("x", "X", (), {"Experts": facts}), {}, dtype, TARGET)
-    return load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+    return load_kernel(KernelKey.for_op(op, params))
 
 
 def _facts(transposed, layout, bias, act, E=4, k=2, H=24, I=20):

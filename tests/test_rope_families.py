@@ -120,7 +120,7 @@ def _install_counting(attn, calls, op_name="fused_rope"):
     info = build_index(attn).infos[""]
     assert op.check(attn, info, op.default_flags()) is None
     params = op.key_params(info, op.default_flags(), "fp32", TARGET)
-    mod = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+    mod = load_kernel(KernelKey.for_op(op, params))
 
     def getter(dt):
         calls.append(dt)

@@ -21,6 +21,12 @@ class KernelKey:
     def make(cls, op: str, template: str, name: str, params: Mapping[str, Any]) -> "KernelKey":
         return cls(op, template, name, tuple(sorted(params.items())))
 
+    @classmethod
+    def for_op(cls, op: Any, params: Mapping[str, Any]) -> "KernelKey":
+        """The key of ``op``'s kernel for ``params`` (what its ``key_params`` returned): the op's name,
+        its template and the name it gives a kernel of those parameters."""
+        return cls.make(op.name, op.template, op.kernel_name(params), params)
+
     @property
     def param_dict(self) -> dict[str, Any]:
         return dict(self.params)

@@ -116,7 +116,7 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
             params = op.key_params(info, flags, name, target)
             # an external op loads its third-party kernel; a generated one is rendered and imported
             mod = op.load(params) if op.external else load_kernel(
-                KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+                KernelKey.for_op(op, params))
             cache[dt] = mod
         return mod
 
@@ -269,7 +269,7 @@ def _live_reason(site, op: Op, plan: PatchPlan, module: Any, host: Any, target: 
                 params = op.key_params(info, flags, dt, target)
             except Exception as e:
                 return f"its facts no longer fit {op.name}: {type(e).__name__}: {e}", info
-            derived = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+            derived = KernelKey.for_op(op, params)
             if derived != key:
                 rec = key.param_dict
                 diffs += [f"kernel {n}: plan {_fmt(rec.get(n))}, module {_fmt(params.get(n))}"

@@ -44,7 +44,7 @@ def kernel_for(op_name: str, kind: str, facts: dict, dtype: str, flags: dict | N
     f.update(flags or {})
     info = ModuleInfo("test", "Test", (), {kind: facts}, dtype=w_dtype or dtype)
     params = op.key_params(info, f, dtype, TARGET)
-    key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+    key = KernelKey.for_op(op, params)
     return load_kernel(key)
 
 

@@ -198,7 +198,7 @@ def _source(vocab, target="interpreter", dtype="bf16", **flags):
     f.update(flags)
     info = ModuleInfo("lm_head", "Linear", (), {"CausalLM": facts(vocab)}, dtype=dtype)
     params = op.key_params(info, f, dtype, target)
-    return render(KernelKey.make(op.name, op.template, op.kernel_name(params), params)), params
+    return render(KernelKey.for_op(op, params)), params
 
 
 def _row_fn(src):
@@ -321,7 +321,7 @@ CUDA_COMPILE = textwrap.dedent("""
         fa.update(facts)
         p = op.key_params(ModuleInfo("lm_head", "Linear", (), {"CausalLM": fa}, dtype=dtype), f, dtype, "cuda")
         path = os.path.join(sys.argv[1], op.kernel_name(p) + ".py")
-        open(path, "w").write(render(KernelKey.make(op.name, op.template, op.kernel_name(p), p)))
+        open(path, "w").write(render(KernelKey.for_op(op, p)))
         spec = importlib.util.spec_from_file_location(op.kernel_name(p), path)
         m = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(m)

@@ -45,7 +45,7 @@ def source(op_name: str, inter: int, fused: bool = False, act: str = "silu", dty
     fl.update(flags)
     info = ModuleInfo("mlp", "MLP", (), {KIND[op_name]: facts(inter, fused, act)})
     params = dict(op.key_params(info, fl, dtype, target), glu_layout=layout)
-    return render(KernelKey.make(op.name, op.template, op.kernel_name(params), params)), params
+    return render(KernelKey.for_op(op, params)), params
 
 
 def code_only(src: str) -> str:
@@ -329,7 +329,7 @@ def test_default_layout_is_flat_for_separate_gate_and_up_and_rows_for_a_fused_ga
     for fused, layout in ((False, "flat"), (True, "rows")):
         info = ModuleInfo("mlp", "MLP", (), {KIND["fused_swiglu"]: facts(1000, fused, "silu")})
         p = op.key_params(info, op.default_flags(), "bf16", "cuda")
-        src = render(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+        src = render(KernelKey.for_op(op, p))
         if layout == "flat" and not fused:
             assert p["glu_layout"] == "flat" and p["num_warps"] == 4
             assert "FLAT_BLOCK = 1024" in src and "n_elem" in code_only(src)

@@ -61,7 +61,7 @@ def _sources():
             info = ModuleInfo("m", "M", (), kinds, dtype="bf16")
             p = op.key_params(info, dict(op.default_flags(), **(flags[0] if flags else {})), "bf16", target)
             yield f"{op_name}[{next(iter(kinds.values())).get('hidden', '')}/{target}]", \
-                render(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+                render(KernelKey.for_op(op, p))
 
 
 def _is_stride(node: ast.AST) -> bool:

@@ -32,7 +32,7 @@ def variant(op_name: str, kind: str, facts: dict, dtype: str, over: dict, flags:
     f.update(flags or {})
     info = ModuleInfo("test", "Test", (), {kind: facts}, dtype=dtype)
     params = {**op.key_params(info, f, dtype, TARGET), **over}
-    key = KernelKey.make(op.name, op.template, op.kernel_name(params), params)
+    key = KernelKey.for_op(op, params)
     return load_kernel(key), params, render(key)
 
 

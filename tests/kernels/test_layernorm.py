@@ -108,7 +108,7 @@ def _source(hidden, target, bias=True, dtype="bf16", flags=None):
     f.update(flags or {})
     info = ModuleInfo("m", "M", (), {"LayerNorm": {"hidden": hidden, "eps": 1e-5, "bias": bias}}, dtype=dtype)
     params = op.key_params(info, f, dtype, target)
-    return op.kernel_name(params), render(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+    return op.kernel_name(params), render(KernelKey.for_op(op, params))
 
 
 def _kernels_text(src):

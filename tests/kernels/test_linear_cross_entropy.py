@@ -251,7 +251,7 @@ def _source(n_vocab, hidden, target="interpreter", dtype="bf16", bias=False, **f
     f.update(flags)
     info = ModuleInfo("lm_head", "Linear", (), {"CausalLM": facts(n_vocab, hidden, bias)}, dtype=dtype)
     p = op.key_params(info, f, dtype, target)
-    return render(KernelKey.make(op.name, op.template, op.kernel_name(p), p)), p
+    return render(KernelKey.for_op(op, p)), p
 
 
 def test_auto_chunk_is_a_power_of_two_within_the_budget_on_gpu():

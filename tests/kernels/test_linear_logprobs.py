@@ -253,7 +253,7 @@ def _source(vocab, hidden, target="interpreter", dtype="bf16", bias=False, **fla
     f.update(flags)
     info = ModuleInfo("lm_head", "Linear", (), {"CausalLM": facts(vocab, hidden, bias)}, dtype=dtype)
     p = op.key_params(info, f, dtype, target)
-    return render(KernelKey.make(op.name, op.template, op.kernel_name(p), p)), p, op.kernel_name(p)
+    return render(KernelKey.for_op(op, p)), p, op.kernel_name(p)
 
 
 def test_specialisation_and_name():

@@ -129,7 +129,7 @@ def source(d, r, nq, nk, offset=0.0, casting="llama", target="cuda", **flags):
     fl.update(flags)
     info = ModuleInfo("attn", "Attn", (), {"Attention": facts(d, r, nq, nk, offset, casting)})
     p = op.key_params(info, fl, "bf16", target)
-    src = render(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+    src = render(KernelKey.for_op(op, p))
     return src[src.index("@triton.jit"):src.index("def _tokens")], p
 
 

@@ -135,7 +135,7 @@ def _source(hidden, target, dtype="bf16", offset=0.0, casting="llama", flags=Non
     f.update(flags or {})
     info = ModuleInfo("m", "M", (), {"RMSNorm": _facts(hidden, 1e-6, offset, casting)}, dtype=dtype)
     params = op.key_params(info, f, dtype, target)
-    return op.kernel_name(params), render(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+    return op.kernel_name(params), render(KernelKey.for_op(op, params))
 
 
 def _kernels_text(src):

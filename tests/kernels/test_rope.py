@@ -182,7 +182,7 @@ def source(d, r, nq, nk, target="cuda", dtype="bf16", **flags):
     fl.update(flags)
     info = ModuleInfo("attn", "Attn", (), {"Attention": facts(d, r, nq, nk)})
     p = op.key_params(info, fl, dtype, target)
-    src = render(KernelKey.make(op.name, op.template, op.kernel_name(p), p))
+    src = render(KernelKey.for_op(op, p))
     return src, p
 
 
@@ -359,7 +359,7 @@ def test_kernel_is_what_runs():
         assert op.check(attn, info, op.default_flags()) is None
         params = op.key_params(info, op.default_flags(), "fp32", TARGET)
         from patchdsl.codegen import load_kernel
-        mod = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(params), params))
+        mod = load_kernel(KernelKey.for_op(op, params))
 
         def getter(dt, _mod=mod):
             calls.append(dt)

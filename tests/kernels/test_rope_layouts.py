@@ -99,7 +99,7 @@ def test_interleaved_layouts_specialise_the_source(layout):
     def src(lay, d=128, r=64):
         info = ModuleInfo("attn", "Attn", (), {"Attention": facts(d, r, 32, 2, lay)})
         p = op.key_params(info, op.default_flags(), "bf16", "cuda")
-        return render(KernelKey.make(op.name, op.template, op.kernel_name(p), p)), op.kernel_name(p)
+        return render(KernelKey.for_op(op, p)), op.kernel_name(p)
 
     half, name_half = src("rotate_half")
     inter, name = src(layout)
