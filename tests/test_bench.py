@@ -482,3 +482,22 @@ def test_sweep_start_skips_each_familys_first_sweep_shapes():
     issue = runner.units(runner.Options(groups=("issue",), impls=("patchdsl",), ops=("rmsnorm",), sweep_start=5))
     assert len(issue) == 1                                   # the issue shapes are never skipped
 
+
+
+def test_bench_llama_fused_head_is_the_shipped_spec_with_a_fused_head():
+    """bench/specs/llama_fused_head.kpatch (the 8B memory row of bench/NOTES.md round eight): the shipped
+    Llama spec's sites, the LM head in mode=fused (no logits chunk) instead of chunk=auto."""
+    import patchdsl
+    from patchdsl.bench.e2e import filtered_spec
+    from patchdsl.models import load_model
+
+    model = load_model("meta-llama/Llama-3.1-8B", meta=True, log=None).model
+    plans = {}
+    for name in ("llama", "llama_fused_head"):
+        text, dropped, _ = filtered_spec(name)
+        assert not dropped
+        plans[name] = patchdsl.plan(text, model, dtypes=("bf16",))
+    sites = {n: {(s.path, s.op) for s in p.sites} for n, p in plans.items()}
+    assert sites["llama"] == sites["llama_fused_head"]
+    head = {n: next(s.flag_dict for s in p.sites if s.path == "lm_head") for n, p in plans.items()}
+    assert head["llama"]["mode"] != "fused" and head["llama_fused_head"]["mode"] == "fused"
