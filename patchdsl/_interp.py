@@ -149,6 +149,72 @@ def round_bf16_like_gpu() -> bool:
     return _bf16_fixed
 
 
+# ------------------------------------------------------------------ scalar tensors as indices
+# Inside an interpreted kernel a runtime scalar (``row_start = pid * rows_per_prog``) is a tensor over
+# a one-element NumPy array, and ``range(row_start, row_end, BLOCK)`` calls its ``__index__``.
+# Triton 3.6's interpreter (``_patch_lang_tensor``) defines that as ``int(self.handle.data)``, which
+# NumPy 2.4 refuses for arrays of one or more dimensions ("only 0-dimensional arrays can be converted
+# to Python scalars"); later Tritons squeeze the array first.  index_scalars_like_newer_triton() makes
+# a Triton whose ``__index__`` fails on the installed NumPy do the same; a Triton or NumPy that works
+# is left alone (decided by a probe, not by version numbers).
+_index_fixed = False
+
+
+def _index_fails(patch_tensor) -> bool:
+    """Probe: does the ``__index__`` that ``patch_tensor`` (Triton's ``_patch_lang_tensor``) installs
+    fail on a one-element, one-dimensional handle under this NumPy?"""
+    import operator
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    class Tensor:                           # stands in for tl.tensor: only the attributes are read
+        pass
+
+    class Scope:
+        def set_attr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    patch_tensor(Tensor, Scope())
+    probe = Tensor()
+    probe.handle = SimpleNamespace(data=np.array([3], dtype=np.int32))
+    try:
+        return operator.index(probe) != 3
+    except TypeError:
+        return True
+
+
+def index_scalars_like_newer_triton() -> bool:
+    """Make the interpreter's ``tensor.__index__`` accept one-element arrays under NumPy >= 2.4 (once
+    per process), as Triton 3.9's does (``int(data.squeeze())``).  True when ``__index__`` works
+    afterwards.  Called by ``codegen.env.ensure_triton`` when the interpreter is on; never on a GPU."""
+    global _index_fixed
+    if _index_fixed:
+        return True
+    try:
+        import numpy as np
+        import triton
+        from triton.runtime import interpreter as ti
+    except Exception:  # pragma: no cover - no triton
+        return False
+    orig = getattr(ti, "_patch_lang_tensor", None)
+    lo, hi = BF16_FIX_VERSIONS                # the same interpreter API as the bf16 fix
+    if orig is None or not lo <= _version(triton.__version__) < hi:
+        return False
+    if not _index_fails(orig):
+        _index_fixed = True                 # this Triton (or NumPy) works already
+        return True
+
+    def _patch_lang_tensor(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.squeeze(self.handle.data)))
+
+    _patch_lang_tensor.__wrapped__ = orig
+    ti._patch_lang_tensor = _patch_lang_tensor
+    _index_fixed = not _index_fails(ti._patch_lang_tensor)
+    return _index_fixed
+
+
 def early_interpreter() -> None:
     """Called on ``import patchdsl``: the interpreter when there is no GPU, whatever was imported first."""
     import sys

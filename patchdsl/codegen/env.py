@@ -39,8 +39,9 @@ def ensure_triton():
             os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
-    from .._interp import interpreter_on, round_bf16_like_gpu
+    from .._interp import index_scalars_like_newer_triton, interpreter_on, round_bf16_like_gpu
 
     if interpreter_on():
         round_bf16_like_gpu()               # bf16 stores round to nearest even, as on the GPU
+        index_scalars_like_newer_triton()   # range() over runtime scalars under NumPy 2.4 (Triton 3.6)
     return triton
