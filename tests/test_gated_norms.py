@@ -20,7 +20,11 @@ from .kernels.helpers import TOL, assert_no_worse_than_module, rel_err, tiny_fam
 
 
 def _cls(family: str, name: str):
-    return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ModuleNotFoundError:
+        pytest.skip(f"{family} is not in this transformers")   # lara_mini: transformers >= 5.18
+    return getattr(module, name)
 
 
 # (family, class, activation, casting): the gated norms transformers ships

@@ -184,6 +184,10 @@ def plan_recipe(model: Any) -> tuple[ImageRecipe | None, str]:
     n = _int(getattr(cfg, "mm_tokens_per_image", None))
     if n:
         return ImageRecipe("square", per_image=n, size=size, how="mm_tokens_per_image", **common), ""
+    sf = _int(getattr(cfg, "scale_factor", None))     # Idefics3 / SmolVLM: a pixel shuffle by this factor
+    if ps and sf and size % (ps * sf) == 0:
+        return ImageRecipe("square", per_image=(size // ps // sf) ** 2, size=size,
+                           how="(image_size / patch_size / scale_factor)^2", **common), ""
     if ps and size % ps == 0:
         return ImageRecipe("square", per_image=(size // ps) ** 2, size=size, how="(image_size / patch_size)^2",
                            **common), ""
