@@ -189,6 +189,35 @@ def test_tiny_gemma3_keeps_sliding_and_full_layers():
     assert c.rope_parameters["sliding_attention"]["rope_theta"] == 10000
 
 
+# hybrid families with a Mamba-2 mixer: (model_type, the config key of the mixer's width or None: expand x hidden)
+MAMBA = [("bamba", None), ("falcon_h1", "mamba_d_ssm"), ("granitemoehybrid", None)]
+
+
+@pytest.mark.parametrize("model_type, width_key", MAMBA)
+def test_tiny_config_shrinks_the_mamba_mixer(model_type, width_key):
+    """The state-space mixer is shrunk with the rest (defaults: 128 heads, state 256, chunks of 256, whose
+    reference scan needed 17 GB at batch 2 in transformers 5.17), within the family's own checks, and
+    a batch-2 training step runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        full = AutoConfig.for_model(model_type)
+    except (KeyError, ValueError):
+        pytest.skip(f"{model_type} is not in this transformers")
+    t = tiny_config(full)
+    width = getattr(t, width_key) if width_key else t.mamba_expand * t.hidden_size
+    assert t.mamba_n_heads * t.mamba_d_head == width and t.mamba_n_heads % t.mamba_n_groups == 0
+    assert t.mamba_n_heads <= 8 and t.mamba_d_state <= 16 and t.mamba_chunk_size <= 16
+    assert (full.mamba_n_heads, full.mamba_d_state) != (t.mamba_n_heads, t.mamba_d_state)   # it was big
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(t)
+    assert sum(p.numel() for p in m.parameters()) < 2_000_000
+    ids = torch.randint(0, t.vocab_size, (2, 8))
+    loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
 def test_tiny_config_partial_rotary_and_longrope():
     from transformers import Phi3Config
 

@@ -346,6 +346,7 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
         d["max_window_layers"] = min(n, round(d["max_window_layers"] * n / L0))
     if d.get("sliding_window"):
         d["sliding_window"] = min(int(d["sliding_window"]), 8)
+    _tiny_mamba(d, hidden, hidden0)
     for k in ("num_experts", "num_local_experts", "n_routed_experts"):
         if isinstance(d.get(k), int) and d[k] > 4:
             d[k] = 4
@@ -383,6 +384,28 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     new = type(config).from_dict(d)
     new._name_or_path = f"tiny:{getattr(config, '_name_or_path', '') or d.get('model_type')}"
     return new
+
+
+def _tiny_mamba(d: dict, hidden: int, hidden0: int) -> None:
+    """The Mamba-2 mixer of a hybrid family (Bamba, Falcon-H1, GraniteMoeHybrid: ``mamba_n_heads``,
+    ``mamba_d_head``, ``mamba_d_state``, ``mamba_chunk_size``, Falcon-H1's ``mamba_d_ssm``) shrunk as the
+    attention is: its default sizes stay otherwise (128 heads, a 256-wide state, chunks of 256), and
+    transformers' reference scan (no ``mamba_ssm`` on a CPU) holds batch x chunk^2 x heads x state
+    values, 17 GB at batch 2 in transformers 5.17.  Keeps the families' own checks: heads divide the
+    mixer width (``mamba_d_ssm`` or expand x hidden) into ``mamba_d_head``, groups divide heads."""
+    if not (isinstance(d.get("mamba_n_heads"), int) and isinstance(d.get("mamba_d_state"), int)):
+        return
+    if isinstance(d.get("mamba_d_ssm"), int):
+        d["mamba_d_ssm"] = _round_to(d["mamba_d_ssm"] * hidden / hidden0, 16, 16)
+        width = d["mamba_d_ssm"]
+    else:
+        width = int(d.get("mamba_expand") or 2) * hidden
+    groups = min(int(d.get("mamba_n_groups") or 1), 2)
+    heads = next(h for h in (8, 4, 2, 1) if width % h == 0 and h % groups == 0)
+    d.update(mamba_n_heads=heads, mamba_d_head=width // heads, mamba_n_groups=groups,
+             mamba_d_state=min(d["mamba_d_state"], 16))
+    if isinstance(d.get("mamba_chunk_size"), int):
+        d["mamba_chunk_size"] = min(d["mamba_chunk_size"], 16)
 
 
 def _describe_tiny(cfg) -> str:

@@ -129,7 +129,7 @@ def make_jsd_forward(host: Any, kernels: Callable | None, flags: Mapping[str, An
             raise ValueError(f"{where}: teacher_hidden_states have size {h_t.shape[-1]} in their last dimension, "
                              f"the teacher head expects {w_t.shape[1]} (pass the teacher's last hidden state, "
                              "after its final norm: teacher.model(...).last_hidden_state)")
-        resolve_router_flag(self, shape, a, extra)
+        held = resolve_router_flag(self, shape, a, extra)
         outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra, labels)
         if h_t.dim() != hidden.dim() or h_t.shape[:-1] != hidden.shape[:-1]:
             raise ValueError(f"{where}: teacher_hidden_states are {tuple(h_t.shape)} but the student's hidden states "
@@ -160,7 +160,7 @@ def make_jsd_forward(host: Any, kernels: Callable | None, flags: Mapping[str, An
         else:
             loss = kernels(w.dtype).linear_jsd(hidden, w, b, h_t, w_t, b_t, targets, num_items, t)
         rest = _body_fields(outputs, shape)
-        loss = add_router_loss(self, shape, outputs, a, extra, loss, rest)     # MoE, as the forward adds it
+        loss = add_router_loss(self, shape, outputs, {**a, **held}, extra, loss, rest)     # MoE, as the forward adds it
         out = shape.output_cls(loss=loss, logits=None, **rest)
         return out if return_dict else out.to_tuple()
 

@@ -49,19 +49,25 @@ def _body_fields(outputs: Any, shape: Any) -> dict[str, Any]:
     return {f: (outputs.get(f) if hasattr(outputs, "get") else getattr(outputs, f, None)) for f in shape.output_fields}
 
 
-def resolve_router_flag(self: Any, shape: ForwardShape, a: dict, extra: dict) -> None:
+def resolve_router_flag(self: Any, shape: ForwardShape, a: dict, extra: dict) -> dict:
     """MoE (issue 24): ``output_router_logits`` resolved as the original forward resolves it (the
     call's value, else the config's) before the body runs, so the body records the router logits
-    exactly when the unpatched forward would have it record them."""
+    exactly when the unpatched forward would have it record them.  Returns what the forward resolves
+    but does not give its body (transformers 5.17's Doge: ``{"output_router_logits": v}``, read only
+    by its aux loss), taken out of ``a``; pass it to :func:`add_router_loss` with ``a``."""
     if not shape.aux and shape.router_flag is None:
-        return
+        return {}
     where = a if "output_router_logits" in a or "output_router_logits" in shape.sig.parameters else extra
     v = where.get("output_router_logits")
     if v is None:
         v = self.config.output_router_logits
     for name in shape.router_flag or ():      # Doge: (...) and self.config.is_moe
         v = v and getattr(self.config, name)
+    if not shape.router_flag_to_body:
+        where.pop("output_router_logits", None)
+        return {"output_router_logits": v}
     where["output_router_logits"] = v
+    return {}
 
 
 def add_router_loss(self: Any, shape: ForwardShape, outputs: Any, a: Mapping[str, Any], extra: Mapping[str, Any],
@@ -161,7 +167,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
         if lm.weight.dtype not in supported:
             return original(self, *args, **kwargs)
         a.pop("labels", None)
-        resolve_router_flag(self, shape, a, extra)
+        held = resolve_router_flag(self, shape, a, extra)
         outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra, labels)
         hidden = slice_hidden(hidden, logits_to_keep)
         if shift is None:
@@ -195,7 +201,7 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
             loss = kernels(logits.dtype).cross_entropy(logits.reshape(-1, logits.shape[-1]), shift.reshape(-1),
                                                        num_items)
         rest = _body_fields(outputs, shape)
-        loss = add_router_loss(self, shape, outputs, a, extra, loss, rest)
+        loss = add_router_loss(self, shape, outputs, {**a, **held}, extra, loss, rest)
         out = shape.output_cls(loss=loss, logits=logits, **rest)
         return out if return_dict else out.to_tuple()
 

@@ -98,7 +98,7 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
                 a["use_cache"] = False
             else:
                 extra["use_cache"] = False
-        resolve_router_flag(self, shape, a, extra)
+        held = resolve_router_flag(self, shape, a, extra)
         outputs, hidden, logits_to_keep, return_dict = _run_body(self, a, extra, labels)
         hidden = slice_hidden(hidden, logits_to_keep)
         if shift is None:
@@ -119,7 +119,7 @@ def make_logprobs_forward(host: Any, kernels: Callable, flags: Mapping[str, Any]
         denom = mask.sum() if num_items is None else num_items     # all ignored: NaN (0 / 0), as HF
         loss = -lp.sum() / denom
         rest = _body_fields(outputs, shape)
-        loss = add_router_loss(self, shape, outputs, a, extra, loss, rest)     # MoE, as the forward adds it
+        loss = add_router_loss(self, shape, outputs, {**a, **held}, extra, loss, rest)     # MoE, as the forward adds it
         if fused:
             out = output_cls(loss=loss, log_probs=lp, entropy=ent, lse=lse, log_sum_sq_probs=lssq,
                              mean_logits=mean, is_top1=top1, label_mask=mask,

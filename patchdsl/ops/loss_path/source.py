@@ -145,6 +145,9 @@ class ForwardShape:
         # the router-logits flag as the forward resolves it (the call's, else the config's, and-ed with
         # config flags: Doge's `and self.config.is_moe`), passed to the body; None: not resolved there
         self.router_flag = read_router_flag(tree.body[0])
+        # whether the forward passes that flag on to the body (True) or only reads it for its aux loss
+        # (transformers 5.17's Doge: resolved, then the body called without it); set by _analyse
+        self.router_flag_to_body = True
         self.reason = why or self._analyse(tree) or self._head(tree)
 
     @property
@@ -228,6 +231,9 @@ class ForwardShape:
             passed.discard("labels")
         expected = set(params) - {"labels", "logits_to_keep", "return_dict"}
         passed.discard("return_dict")
+        if self.router_flag is not None and "output_router_logits" in expected - passed:
+            self.router_flag_to_body = False           # resolved for the aux loss, not given to the body
+            expected.discard("output_router_logits")
         if passed != expected:
             diff = sorted(passed ^ expected)
             return f"{name}.forward does not pass its arguments through to {body_src} unchanged ({', '.join(diff)})"
