@@ -134,17 +134,9 @@ def measure_projection(name, k, n, m, dev, tiny, t):
 
     from patchdsl.codegen import share
 
-    before = os.environ.get("PATCHDSL_SHARE")
-    os.environ["PATCHDSL_SHARE"] = "0"           # one projection alone: nothing to share
-    try:
+    with share.switched(False):                  # one projection alone: nothing to share
         res["whole bf16 ms"] = t(whole(lambda a, c: torch.nn.functional.linear(a, c)), reps=1)
         res["whole fp8 ms"] = t(whole(lambda a, c: mod.fp8_linear(a, c)), reps=1)
-    finally:
-        if before is None:
-            os.environ.pop("PATCHDSL_SHARE", None)
-        else:
-            os.environ["PATCHDSL_SHARE"] = before
-        share.clear()
     return res
 
 

@@ -73,7 +73,7 @@ def late_interpreter() -> int:
 # zero.  round_bf16_like_gpu() replaces that one conversion (fp32 -> bf16 through cast_impl)
 # with round to nearest even; every other cast, and explicit ``fp_downcast_rounding`` modes
 # (create_fp_to_fp), are left to Triton.
-BF16_FIX_VERSIONS = ((3, 6), (4, 0))      # [from, to): the interpreter API this fix is written for
+INTERP_FIX_VERSIONS = ((3, 6), (4, 0))    # [from, to): the interpreter API the fixes below are written for
 _bf16_fixed = False
 
 
@@ -116,7 +116,7 @@ def _truncates(cast_impl, builder, TensorHandle, tl) -> bool:
 
 def round_bf16_like_gpu() -> bool:
     """Make the interpreter's fp32 -> bf16 conversion round to nearest even (once per process).
-    Only on a triton in BF16_FIX_VERSIONS whose conversion is found to truncate; True when the
+    Only on a triton in INTERP_FIX_VERSIONS whose conversion is found to truncate; True when the
     conversion rounds to nearest even afterwards.  Called by ``codegen.env.ensure_triton`` when
     the interpreter is on; never on a GPU."""
     global _bf16_fixed
@@ -130,7 +130,7 @@ def round_bf16_like_gpu() -> bool:
         return False
     cls, TensorHandle = getattr(ti, "InterpreterBuilder", None), getattr(ti, "TensorHandle", None)
     orig = getattr(cls, "cast_impl", None)
-    lo, hi = BF16_FIX_VERSIONS
+    lo, hi = INTERP_FIX_VERSIONS
     if orig is None or TensorHandle is None or not lo <= _version(triton.__version__) < hi:
         return False
     builder = getattr(ti, "interpreter_builder", None) or cls()
@@ -198,7 +198,7 @@ def index_scalars_like_newer_triton() -> bool:
     except Exception:  # pragma: no cover - no triton
         return False
     orig = getattr(ti, "_patch_lang_tensor", None)
-    lo, hi = BF16_FIX_VERSIONS                # the same interpreter API as the bf16 fix
+    lo, hi = INTERP_FIX_VERSIONS
     if orig is None or not lo <= _version(triton.__version__) < hi:
         return False
     if not _index_fails(orig):

@@ -15,6 +15,8 @@ Must-fail: e5m2 values judged with e4m3's roundoff, a doubled dequantisation fac
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -57,6 +59,7 @@ def test_plans_every_projection_on_hopper(gpu, recipe):
     k = p.sites[0].keys[0].param_dict
     assert k["formats"] == "_".join(fp8op.RECIPES[recipe]) and k["target"] == "cuda"
     assert k["hp_grad_weight"] == (recipe in fp8op.HP_GRAD_WEIGHT)
+    assert set(fp8op.SCALING) == set(fp8op.RECIPES) and k["scaling"] == fp8op.SCALING[recipe] in ("rowwise", "tensorwise")
 
 
 REFUSALS = [   # (target, GPU or None, what the error must say)
@@ -187,6 +190,21 @@ def test_quantisation_kernels_equal_the_torch_reference(shape, pad):
     assert not torch.equal(q.view(torch.uint8), mod.quantise(t, mod.E4M3, -1)[0].view(torch.uint8))
 
 
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_share_switched_restores_the_setting_it_found(monkeypatch, before):
+    from patchdsl.codegen import share
+
+    monkeypatch.delenv("PATCHDSL_SHARE", raising=False)
+    if before is not None:
+        monkeypatch.setenv("PATCHDSL_SHARE", before)
+    for on in (False, True):
+        with pytest.raises(RuntimeError):          # restored also when the block raises
+            with share.switched(on):
+                assert share.enabled() is on and share.stats == {"hits": 0, "misses": 0}
+                raise RuntimeError
+        assert os.environ.get("PATCHDSL_SHARE") == before
+
+
 def test_siblings_share_one_quantisation_of_their_input():
     """q/k/v-like siblings on the same input quantise it once in the forward and once (along tokens)
     in the backward; an in-place write to the input, or another input, is not shared; the results
@@ -200,23 +218,16 @@ def test_siblings_share_one_quantisation_of_their_input():
     x0 = torch.randn(37, k, generator=g)
 
     def run(shared):
-        share.clear()
-        import os
-        old = os.environ.get("PATCHDSL_SHARE")
-        os.environ["PATCHDSL_SHARE"] = "1" if shared else "0"
-        try:
-            x = x0.clone().requires_grad_(True)
-            h = x * 1.0          # one non-leaf activation read by the three projections
-            ys = [m.fp8_linear(h, w) for m, w in zip(mods, ws)]
-            sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
-            return [y.detach() for y in ys], x.grad, [w.grad.clone() for w in ws], dict(share.stats)
-        finally:
-            for w in ws:
-                w.grad = None
-            if old is None:
-                os.environ.pop("PATCHDSL_SHARE")
-            else:
-                os.environ["PATCHDSL_SHARE"] = old
+        with share.switched(shared):
+            try:
+                x = x0.clone().requires_grad_(True)
+                h = x * 1.0          # one non-leaf activation read by the three projections
+                ys = [m.fp8_linear(h, w) for m, w in zip(mods, ws)]
+                sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+                return [y.detach() for y in ys], x.grad, [w.grad.clone() for w in ws], dict(share.stats)
+            finally:
+                for w in ws:
+                    w.grad = None
 
     ys, gx, gws, st = run(True)
     ys0, gx0, gws0, st0 = run(False)

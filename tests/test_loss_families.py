@@ -111,7 +111,9 @@ def _doge_forward_facts():
     self.config.is_moe` and passes it on; 5.17 resolves it without is_moe and calls the body without it."""
     import inspect
 
-    src = inspect.getsource(sys.modules[build(_config("doge")).__module__].DogeForCausalLM.forward)
+    from transformers.models.doge.modeling_doge import DogeForCausalLM
+
+    src = inspect.getsource(DogeForCausalLM.forward)
     resolved = src[src.index("output_router_logits = ("):src.index("outputs")]
     return (["is_moe"] if "self.config.is_moe" in resolved else []), "output_router_logits=output_router_logits" in src
 

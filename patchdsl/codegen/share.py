@@ -25,6 +25,7 @@ object: the backward's siblings share too.  ``PATCHDSL_SHARE=0`` turns sharing o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -71,3 +72,20 @@ def clear() -> None:
     with _lock:
         _entries.clear()
         stats.update(hits=0, misses=0)
+
+
+@contextlib.contextmanager
+def switched(on: bool):
+    """Sharing on or off (``PATCHDSL_SHARE``) inside the block, as it was after it (A/B runs); the
+    table and its stats cleared on entry and on exit."""
+    before = os.environ.get("PATCHDSL_SHARE")
+    os.environ["PATCHDSL_SHARE"] = "1" if on else "0"
+    clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATCHDSL_SHARE", None)
+        else:
+            os.environ["PATCHDSL_SHARE"] = before
+        clear()

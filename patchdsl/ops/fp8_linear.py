@@ -35,6 +35,9 @@ UNIT_ROUNDOFF = {"e4m3": 2.0 ** -4, "e5m2": 2.0 ** -3}
 # (input, weight, grad_output) formats of each recipe (torchao.float8's recipes of the same names)
 RECIPES = {"rowwise": ("e4m3", "e4m3", "e4m3"), "tensorwise": ("e4m3", "e4m3", "e5m2"),
            "rowwise_with_gw_hp": ("e4m3", "e4m3", "e4m3")}
+# each recipe's scaling: "rowwise" (a power-of-two scale per row along each matmul's reduction
+# dimension) or "tensorwise" (one scale per tensor)
+SCALING = {"rowwise": "rowwise", "tensorwise": "tensorwise", "rowwise_with_gw_hp": "rowwise"}
 # recipes whose grad_weight matmul (dy^T x) runs in the model's dtype, not in fp8
 HP_GRAD_WEIGHT = frozenset({"rowwise_with_gw_hp"})
 MIN_CAPABILITY = (8, 9)
@@ -106,6 +109,7 @@ class FP8Linear(Op):
         recipe = flags.get("recipe", "rowwise")
         return {"dtype": dtype, "in_features": int(f["in_features"]), "out_features": int(f["out_features"]),
                 "bias": bool(f["bias"]), "recipe": recipe, "formats": "_".join(RECIPES[recipe]),
+                "scaling": SCALING[recipe],
                 "hp_grad_weight": recipe in HP_GRAD_WEIGHT,
                 "emulate": bool(flags.get("emulate", False)), "target": target}
 
