@@ -27,15 +27,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(tokens=16384, hidden=2048, experts=128, top_k=8, inter=768)
-# Per-kernel tile candidates tried after the default (each costs one compile of one kernel): the
-# row-block GEMMs (up, down, dh, dx) and the weight-gradient GEMMs (dw_down, dw_up); MOE_SWEEP=0 skips.
-ROW_TILES = ({"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4}, {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
-             {"BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3}, {"BN": 128, "BK": 128, "num_warps": 8, "num_stages": 2})
-W_TILES = ({"BR": 64, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 3},
-           {"BR": 32, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 4},
-           {"BR": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3},
-           {"BR": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3})
-SWEEP = os.environ.get("MOE_SWEEP", "1") != "0"
 E2E = dict(batch=4, seq=2048, layers=4, warmup=2, steps=5)
 
 
@@ -101,39 +92,6 @@ def profile_kernels(fn, x0, idx, w0, dy, params, reps=3) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def sweep_tiles(kmod, op, params_k, mod, x0, idx, w0, dy, params, rows, t_end, case) -> None:
-    """Each kernel's candidate tiles timed in the whole fwd+bwd (the others at their best so far);
-    then the routing's row block at 128; the best table is recorded as the row ``patchdsl[best]``."""
-    if not SWEEP:
-        return
-    from patchdsl.codegen.cache import load_kernel
-    from patchdsl.codegen.keys import KernelKey
-
-    def run(km):
-        return lambda x, i, w: km.experts(x, i, w, mod.gate_up_proj, mod.down_proj)
-
-    best_ms = rows[-1]["fwd_bwd_ms"]
-    for name in ("dw_up", "dw_down", "dx", "dh", "up", "down"):
-        keep = dict(kmod.TILES[name])
-        for cand in (W_TILES if name.startswith("dw") else ROW_TILES):
-            if time.time() > t_end - 25:
-                break
-            kmod.TILES[name] = dict(cand)
-            case(f"patchdsl[{name}=" + ",".join(f"{k}{v}" for k, v in cand.items()) + "]", run(kmod), params)
-            r = rows[-1]
-            if r.get("fwd_bwd_ms", 1e9) < best_ms * 0.985:
-                best_ms, keep = r["fwd_bwd_ms"], dict(cand)
-        kmod.TILES[name] = keep
-    if time.time() < t_end - 20:
-        pk = {**params_k, "BM": 128}
-        km = load_kernel(KernelKey.make(op.name, op.template, op.kernel_name(pk) + "_bm128", pk))
-        km.TILES.update({k: dict(v) for k, v in kmod.TILES.items()})
-        case("patchdsl[BM128,best]", run(km), params)
-        rows[-1]["tiles"] = {"BM": 128, **km.TILES}
-    case("patchdsl[best]", run(kmod), params)
-    rows[-1]["tiles"] = {"BM": params_k["BM"], **kmod.TILES}
-
-
 def run_ops(budget: float) -> list[dict]:
     import torch
 
@@ -182,7 +140,6 @@ def run_ops(budget: float) -> list[dict]:
             torch.cuda.empty_cache()
 
     params = [mod.gate_up_proj, mod.down_proj]
-    later = []           # the tile sweep runs after the peers (a cut budget must not cost their rows)
     for p in params:
         p.requires_grad_(True)
     # patchdsl
@@ -199,7 +156,7 @@ def run_ops(budget: float) -> list[dict]:
         params_k = op.key_params(info, {}, "bf16" if dev == "cuda" else "fp32", TARGET)
         kmod = load_kernel(KernelKey.for_op(op, params_k))
         case("patchdsl", lambda x, i, w: kmod.experts(x, i, w, mod.gate_up_proj, mod.down_proj), params)
-        rows[-1]["tiles"] = {"BM": params_k["BM"], **kmod.TILES}
+        rows[-1]["tiles"] = dict(kmod.TILES)
         # correctness at this shape against grouped_mm (bf16 both; relative Frobenius error)
         with torch.no_grad():
             cfg._experts_implementation = "grouped_mm"
@@ -210,7 +167,6 @@ def run_ops(budget: float) -> list[dict]:
             rows[-1]["kernels_ms"] = profile_kernels(lambda x, i, w: kmod.experts(x, i, w, mod.gate_up_proj, mod.down_proj),
                                                      x0, idx, w0, dy, params)
             print(f"  experts kernels {json.dumps(rows[-1]['kernels_ms'])}", flush=True)
-            later.append(lambda: sweep_tiles(kmod, op, params_k, mod, x0, idx, w0, dy, params, rows, t_end, case))
     except Exception as e:
         rows.append({"impl": "patchdsl", "skipped": f"{type(e).__name__}: {str(e)[:200]}"})
     # transformers: the module's own forward, which dispatches on config._experts_implementation (this
@@ -250,8 +206,6 @@ def run_ops(budget: float) -> list[dict]:
     rows.append({"impl": "matmul floor", "fwd_bwd_ms": fb_ms, "fwd_ms": f_ms,
                  "tflops_fwd_bwd": 3 * 6 * S * H * I / (fb_ms * 1e-3) / 1e12})
     del flops_fb
-    for f in later:
-        f()
     return rows
 
 
@@ -415,7 +369,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget", type=float, default=140)
     ap.add_argument("--what", default="ops,e2e")
-    ap.add_argument("--ops-budget", type=float, default=0.0, help="seconds for the experts rows and the tile sweep "
+    ap.add_argument("--ops-budget", type=float, default=0.0, help="seconds for the experts rows "
                     "(default: min(60, 0.42 x budget))")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--impls", default="default,patchdsl,liger")

@@ -191,7 +191,11 @@ def test_fused_experts_refuses_wrong_shapes():
     with pytest.raises(ValueError, match="hidden_states"):
         kmod.experts(x[:, :-1], idx, w, gu, dn)
     with pytest.raises(ValueError, match="top_k_index"):
-        kmod.experts(x, idx[:, :1], w[:, :1], gu, dn)
+        kmod.experts(x, idx[:, :1], w, gu, dn)                 # index and weights of different top-k
+    with pytest.raises(ValueError, match="top_k_index"):
+        kmod.experts(x, idx[:-1], w[:-1], gu, dn)              # not one row per token
+    with pytest.raises(ValueError, match="integer"):
+        kmod.experts(x, idx.float(), w, gu, dn)
     with pytest.raises(ValueError, match="gate_up / down"):
         kmod.experts(x, idx, w, gu.transpose(1, 2), dn)
 
@@ -213,12 +217,72 @@ def test_fused_experts_is_deterministic_and_routing_metadata_has_no_gaps():
         assert all(torch.equal(a, b) for a, b in zip(g1, g2))
     finally:
         torch.use_deterministic_algorithms(prev)
-    perm, block_expert, block_start, seg_start, seg_end, n_blocks = kmod.route(idx)
+    r = kmod.route(idx)
     flat = idx.reshape(-1)
-    assert sorted(perm.tolist()) == list(range(flat.numel()))
-    assert torch.equal(flat[perm.long()], torch.sort(flat).values)
-    assert torch.equal((seg_end - seg_start).long(), torch.bincount(flat, minlength=6))
-    assert int(block_expert[-1]) == 6 and n_blocks == -(-flat.numel() // kmod.BLOCK_M) + 6
+    assert sorted(r.perm.tolist()) == list(range(flat.numel()))
+    assert torch.equal(flat[r.perm].int(), r.expert) and torch.equal(r.expert, torch.sort(flat).values.int())
+    assert torch.equal(torch.diff(r.offs, prepend=r.offs.new_zeros(1)).long(), torch.bincount(flat, minlength=6))
+    assert torch.equal(r.inv[r.perm], torch.arange(flat.numel())) and torch.equal(r.tok, r.perm // 3)
+
+
+def _sentinel_reference(x, idx, w, gu, dn, gb, db, facts):
+    """The float64 reference with the slots whose index is outside [0, E) skipped, as transformers'
+    eager loop skips its "no expert" sentinel: their weight is zeroed and their index pointed at 0."""
+    bad = (idx < 0) | (idx >= facts["experts"])
+    return K.experts_reference(x, idx.masked_fill(bad, 0), w.masked_fill(bad, 0.0), gu, dn, gb, db, facts)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=["-".join(map(str, c)) for c in LAYOUTS[:2]])
+def test_sentinel_and_out_of_range_indices_contribute_nothing(layout):
+    """transformers marks a slot routed to another rank's experts with the index E; an index past E or
+    below 0 is no expert either.  Such slots add nothing, get a zero weight gradient, and nothing is
+    read outside the weights (the same inputs give the same bits twice)."""
+    facts = _facts(*layout, E=5, k=3)
+    kmod = _kernel(facts, "fp32")
+    x, idx, w, gu, dn, gb, db = _inputs(facts, 8, 4)
+    idx[1, 0], idx[2, 2], idx[5, 1], idx[6] = 5, 5, 9, torch.tensor([-1, 5, 7])
+    leaves = [t.requires_grad_(True) for t in (x, w, gu, dn) + ((gb, db) if facts["bias"] else ())]
+    ref = _sentinel_reference(x, idx, w, gu, dn, gb, db, facts)
+    dy = torch.randn(ref.shape, dtype=torch.float64)
+    rg = torch.autograd.grad(ref, leaves, dy)
+    low = [t.detach().float().requires_grad_(True) for t in leaves]
+    outs = []
+    for _ in range(2):
+        out = kmod.experts(low[0], idx, low[1], low[2], low[3], *(low[4:] if facts["bias"] else (None, None)))
+        outs.append((out.detach(), *torch.autograd.grad(out, low, dy.float())))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    out, *pg = outs[0]
+    assert _rel(out, ref) < 1e-5 and all(_rel(p, r) < 1e-5 for p, r in zip(pg, rg))
+    bad = (idx < 0) | (idx >= 5)
+    assert bool((pg[1][bad] == 0).all()) and bool(bad.any())
+    # the check itself is not blind: a reference that counts the sentinel slots differs
+    assert _rel(out, K.experts_reference(x, idx.clamp(0, 4), w, gu, dn, gb, db, facts)) > 1e-3
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_any_top_k_runs_in_the_kernel(k):
+    """The kernel reads top-k from the routing it is given: a top-k other than the planned one (a
+    per-layer moe_topk, a caller's routing) is computed, not handed back to eager."""
+    facts = dict(_facts(False, "concat", False, "silu"), top_k=2)
+    kmod = _kernel(facts, "fp32")
+    errs = _run(kmod, dict(facts, top_k=k), T=7, seed=6, dtype=torch.float32)
+    assert max(errs.values()) < 1e-5, errs
+
+
+def test_recomputing_the_pre_activations_gives_the_same_gradients():
+    facts = _facts(True, "interleaved", True, "swiglu_clamp")
+    op = get_op("fused_experts")
+    info = ModuleInfo("x", "X", (), {"Experts": facts})
+    mods = [load_kernel(KernelKey.for_op(op, op.key_params(info, {"save_pre": s}, "fp32", TARGET))) for s in (True, False)]
+    assert mods[0].SAVE_PRE and not mods[1].SAVE_PRE and "recompute" in op.kernel_name(
+        op.key_params(info, {"save_pre": False}, "fp32", TARGET))
+    x, idx, w, gu, dn, gb, db = (t.float() if t.is_floating_point() else t for t in _inputs(facts, 9, 8))
+    grads = []
+    for kmod in mods:
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, gu, dn, gb, db)]
+        out = kmod.experts(leaves[0], idx, *leaves[1:])
+        grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*grads))
 
 
 # ---------------------------------------------------------------- the op on a model

@@ -5,20 +5,24 @@ Replaces the ``forward(hidden, top_k_index, top_k_weights)`` of one ``Experts`` 
 :mod:`patchdsl.ops.kinds`).  The routing stays the model's own (its router module is untouched);
 the op computes, for the routing it is given, ``sum_k w * (act(x W_gu[e] + b) W_d[e] + b_d)``:
 
-* routing metadata on the device without a host sync (sort by expert, segment bounds, a static
-  grid of row blocks mapped to experts through a device table);
-* a grouped GEMM for gate and up with the activation (SiLU / GELU / gpt-oss's clamped SwiGLU) in
-  its epilogue, a grouped GEMM for down with the routing weight in its epilogue, the top-k slots
-  summed in a fixed order;
-* a backward that recomputes the gate/up pre-activations instead of saving the intermediate, and
-  returns the gradients of the hidden states, the routing weights (so the router trains), both
-  weights and both biases.  Every reduction has a fixed order: deterministic.
+* routing on the device without a host sync: the (token, k) slots sorted by expert once, so every
+  GEMM is a plain grouped GEMM over contiguous rows (``torch._grouped_mm``: CUTLASS with TMA and
+  warp specialisation on sm_90), a slot with an out-of-range index (transformers' "no expert"
+  sentinel under expert parallelism) skipped as the eager loop skips it;
+* generated Triton kernels for what a library GEMM cannot do: the activation (SiLU / GELU /
+  gpt-oss's clamped SwiGLU) with the bias between the two GEMMs, each token's weighted sum of its k
+  rows in a fixed order, and in backward the activation gradient fused with the routing weights'
+  gradient and the weight-gradient operands (one pass over the rows);
+* weight gradients as K-grouped GEMMs over each expert's contiguous rows (no gathers in a K loop),
+  the routing weight folded once per row; gradients of the hidden states, the routing weights (so
+  the router trains), both weights and both biases.  Every reduction has a fixed order: deterministic.
 
 Per instance and reversible: the module's ``forward`` is bound on the instance; transformers'
 process-wide ``ALL_EXPERTS_FUNCTIONS`` and the config's ``_experts_implementation`` are untouched
 (other models, and other modules of this one, keep theirs).  Weights are read from the module at
-call time (FSDP2, PEFT's ``target_parameters`` parametrizations see their own values).  A dtype
-without a kernel (float64) or mixed dtypes run the module's eager forward.
+call time (FSDP2, PEFT's ``target_parameters`` parametrizations see their own values).  Any top-k
+runs (the kernel reads it from the routing it is given).  A dtype without a kernel (float64) or
+mixed dtypes run the module's eager forward.
 """
 
 from __future__ import annotations
@@ -28,38 +32,30 @@ from typing import Any, Mapping
 from .base import FlagSpec, ModuleInfo, Op
 from .registry import register
 
-# BM: the routing's row block (rows of one expert per program of the row-block GEMMs); the other
-# tiles are per kernel, in the template's TILES table (bench/moe_bench.py sweeps them per kernel).
-CUDA_BM = 64
-INTERP_BM = 32
-
-
 class FusedExperts(Op):
     name = "fused_experts"
     kinds = ("Experts",)
     template = "fused_experts.py.j2"
-    doc = ("the expert MLPs of a mixture-of-experts layer as grouped GEMMs: device-side routing metadata (no "
-           "host sync), gate/up GEMM with the activation fused, down GEMM with the routing weight fused, "
-           "backward recomputes the intermediate; deterministic; per instance (transformers' experts "
-           "registry untouched).")
+    doc = ("the expert MLPs of a mixture-of-experts layer: slots sorted by expert on the device (no host "
+           "sync), grouped GEMMs over contiguous rows, the activation, routing weight and per-token sum in "
+           "generated kernels, weight gradients as K-grouped GEMMs; sentinel expert indices skipped; "
+           "deterministic; per instance (transformers' experts registry untouched).")
     flags = (
-        FlagSpec("block_m", "int", "auto", "rows (token slots of one expert) per tile, rounded up to a power "
-                 "of two; auto = 64 on the GPU, 32 in the interpreter", auto_ok=True, min=16, max=256),
+        FlagSpec("save_pre", "bool", True, "keep the gate/up pre-activations (2 x intermediate per token slot) "
+                 "for backward; false recomputes them there (one more grouped GEMM, less memory)"),
     )
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
         f = info.facts("Experts")
         if not f:
             raise ValueError(f"{self.name}: {info.path or '<module>'} ({info.cls}) is not an Experts module")
-        bm = flags.get("block_m", "auto")
-        bm = (INTERP_BM if target == "interpreter" else CUDA_BM) if bm == "auto" else 1 << max(4, (int(bm) - 1).bit_length())
         return {"dtype": dtype, "experts": int(f["experts"]), "top_k": int(f.get("top_k") or 0),
                 "hidden": int(f["hidden"]), "intermediate": int(f["intermediate"]),
                 "transposed": bool(f["transposed"]), "layout": str(f["layout"]), "bias": bool(f["bias"]),
                 "activation": str(f["activation"]),
                 "alpha": float(f["alpha"]) if f.get("alpha") is not None else None,
                 "limit": float(f["limit"]) if f.get("limit") is not None else None,
-                "target": target, "BM": bm}
+                "target": target, "save_pre": bool(flags.get("save_pre", True))}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         parts = [self.name, params["activation"], params["dtype"], f"e{params['experts']}", f"k{params['top_k']}",
@@ -68,6 +64,8 @@ class FusedExperts(Op):
             parts.append("t")
         if params["bias"]:
             parts.append("bias")
+        if not params["save_pre"]:
+            parts.append("recompute")
         parts.append(params["target"])
         return "_".join(str(p) for p in parts)
 
@@ -122,16 +120,14 @@ class FusedExperts(Op):
         eager = _expert_forward(module)
         f = info.facts("Experts")
         has_bias = bool(f["bias"])
-        top_k = int(f.get("top_k") or 0)
         supported = (torch.float32, torch.bfloat16, torch.float16)
 
         def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             gu, dn = self.gate_up_proj, self.down_proj
             dt = hidden_states.dtype
-            if (args or kwargs or dt not in supported or gu.dtype != dt or dn.dtype != dt or hidden_states.dim() != 2
-                    or top_k_index.dim() != 2 or top_k_index.shape[-1] != top_k):
-                # another top-k than the kernel's (a per-layer moe_topk the config's first value did not
-                # name, a caller's own routing): the module's own forward, exactly
+            if args or kwargs or dt not in supported or gu.dtype != dt or dn.dtype != dt:
+                # a dtype without a kernel (float64), mixed dtypes, or arguments the kernel does not
+                # take: the module's own forward, exactly
                 return eager(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
             gub = self.gate_up_proj_bias if has_bias else None
             db = self.down_proj_bias if has_bias else None
