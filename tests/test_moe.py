@@ -569,6 +569,45 @@ def test_streamed_verify_with_router_logits_on_leaves_the_aux_loss_out():
 
 
 # ---------------------------------------------------------------- PEFT LoRA on the expert parameters
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=["-".join(map(str, c)) for c in LAYOUTS[:2]])
+@pytest.mark.parametrize("rank", [4, 8])
+def test_lora_factors_match_float64(layout, dtype, rank):
+    """LoRA on both expert weights, given as PEFT's factors (W + s * lhs @ rhs): the output and the
+    gradients of x, the routing weights, both bases, and all four LoRA matrices against float64 on the
+    summed weights.  Rank 4 leaves the grouped GEMM's 16-byte alignment (the per-expert fallback),
+    rank 8 keeps it."""
+    facts = _facts(*layout, I=24)
+    kmod = _kernel(facts, dtype)
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    x, idx, w, gu, dn, gb, db = _inputs(facts, 10, 11)
+    g = torch.Generator().manual_seed(12)
+    fac = [torch.randn((*shape[:2], rank) if i % 2 == 0 else (shape[0], rank, shape[2]), generator=g,
+                       dtype=torch.float64) * 0.3 for shape in (gu.shape, dn.shape) for i in range(2)]
+    s_gu, s_dn = 0.5, 2.0
+    leaves = [t.requires_grad_(True) for t in (x, w, gu, dn, *fac)]
+    ref = K.experts_reference(x, idx, w, gu + s_gu * fac[0] @ fac[1], dn + s_dn * fac[2] @ fac[3], gb, db, facts)
+    dy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    rg = torch.autograd.grad(ref, leaves, dy)
+    low = [t.detach().to(tdt).requires_grad_(True) for t in leaves]
+    bias = (gb.to(tdt), db.to(tdt)) if facts["bias"] else (None, None)
+    out = kmod.experts(low[0], idx, low[1], low[2], low[3], *bias, (low[4], low[5], s_gu), (low[6], low[7], s_dn))
+    pg = torch.autograd.grad(out, low, dy.to(tdt))
+    names = ["x", "weights", "gate_up", "down", "gu_lhs", "gu_rhs", "down_lhs", "down_rhs"]
+    errs = {"output": _rel(out, ref), **{n: _rel(p, r) for n, p, r in zip(names, pg, rg)}}
+    assert max(errs.values()) <= TOL[dtype], errs
+    # a frozen base (LoRA's usual case) gets no gradient and its dW GEMMs are skipped
+    low[2].requires_grad_(False)
+    low[3].requires_grad_(False)
+    out = kmod.experts(low[0], idx, low[1], low[2], low[3], *bias, (low[4], low[5], s_gu), (low[6], low[7], s_dn))
+    pg2 = torch.autograd.grad(out, [low[i] for i in (0, 1, 4, 5, 6, 7)], dy.to(tdt))
+    assert all(torch.allclose(a, b, rtol=1e-2 if dtype == "bf16" else 1e-5, atol=1e-6)
+               for a, b in zip(pg2, [pg[i] for i in (0, 1, 4, 5, 6, 7)]))
+    # a wrong scaling is seen
+    out = kmod.experts(low[0], idx, low[1], low[2], low[3], *bias, (low[4], low[5], s_gu), (low[6], low[7], 1.0))
+    assert _rel(out, ref) > 10 * TOL[dtype]
+
+
 def test_peft_lora_on_expert_parameters_trains_through_the_fused_experts():
     peft = pytest.importorskip("peft")
     from patchdsl import apply, plan
@@ -591,8 +630,22 @@ def test_peft_lora_on_expert_parameters_trains_through_the_fused_experts():
     assert not h.refused
     inner, depth = peft_param_base(base.get_submodule(site.path))
     assert depth == 2 and "forward" in inner.__dict__
+    # the fused forward reads PEFT's factors, never the materialised W + s * lhs @ rhs
+    calls = []
+    proxy_cls = type(peft.tuners.lora.layer._LoraFactorsProxy)
+    orig = peft.tuners.lora.layer._LoraFactorsProxy.forward
+    peft.tuners.lora.layer._LoraFactorsProxy.forward = lambda self, W: calls.append(1) or orig(self, W)
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(2))
-    a, b = pm(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    try:
+        a = pm(input_ids=ids, labels=ids)
+        fused_calls = len(calls)
+        b = ref(input_ids=ids, labels=ids)
+        # torch's register_parametrization evaluates the proxy once to check it (both runs); the
+        # unpatched experts evaluate it again to read the weight, the fused ones read the factors
+        assert fused_calls < len(calls) - fused_calls, (fused_calls, len(calls) - fused_calls)
+    finally:
+        peft.tuners.lora.layer._LoraFactorsProxy.forward = orig
+    del proxy_cls
     a.loss.backward()
     b.loss.backward()
     assert torch.allclose(a.loss, b.loss, rtol=1e-5, atol=1e-6)

@@ -123,7 +123,8 @@ class FusedExperts(Op):
         supported = (torch.float32, torch.bfloat16, torch.float16)
 
         def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            gu, dn = self.gate_up_proj, self.down_proj
+            gu, gu_lora = _weight_and_lora(self, "gate_up_proj")
+            dn, dn_lora = _weight_and_lora(self, "down_proj")
             dt = hidden_states.dtype
             if args or kwargs or dt not in supported or gu.dtype != dt or dn.dtype != dt:
                 # a dtype without a kernel (float64), mixed dtypes, or arguments the kernel does not
@@ -131,9 +132,23 @@ class FusedExperts(Op):
                 return eager(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
             gub = self.gate_up_proj_bias if has_bias else None
             db = self.down_proj_bias if has_bias else None
-            return kernels(dt).experts(hidden_states, top_k_index, top_k_weights, gu, dn, gub, db)
+            return kernels(dt).experts(hidden_states, top_k_index, top_k_weights, gu, dn, gub, db, gu_lora, dn_lora)
 
         return forward
+
+
+def _weight_and_lora(module: Any, name: str) -> tuple[Any, Any]:
+    """(weight, LoRA factors or None) of ``module.<name>``.  Inside a PEFT ``ParamWrapper``'s call the
+    parameter carries PEFT's single-adapter parametrization (W + scaling * lhs @ rhs, its
+    ``_LoraFactorsProxy``): the base weight and (lhs, rhs, scaling) are returned, and the kernel applies
+    the low-rank term as grouped GEMMs of its own without materialising the sum.  Anything else
+    (several adapters, a low-precision base, no LoRA) is read as the module gives it."""
+    plist = module.__dict__.get("_modules", {}).get("parametrizations")
+    chain = plist[name] if plist is not None and name in plist else None
+    if chain is not None and len(chain) == 1 and type(chain[0]).__name__ == "_LoraFactorsProxy":
+        proxy = chain[0]
+        return chain.original, (proxy.lhs, proxy.rhs, float(proxy.scaling))
+    return getattr(module, name), None
 
 
 register(FusedExperts())
