@@ -38,8 +38,11 @@ class FusedExperts(Op):
     template = "fused_experts.py.j2"
     doc = ("the expert MLPs of a mixture-of-experts layer: slots sorted by expert on the device (no host "
            "sync), grouped GEMMs over contiguous rows, the activation, routing weight and per-token sum in "
-           "generated kernels, weight gradients as K-grouped GEMMs; sentinel expert indices skipped; "
-           "deterministic; per instance (transformers' experts registry untouched).")
+           "generated kernels, weight gradients as K-grouped GEMMs; any top-k; sentinel expert indices (expert "
+           "parallelism's 'not here') skipped; PEFT LoRA on the expert weights (target_parameters) applied from "
+           "its factors as grouped GEMMs, never materialising W + BA, a frozen base skipping its weight-gradient "
+           "GEMMs; the routing stays the router's (see fused_router); deterministic; per instance "
+           "(transformers' experts registry untouched).")
     flags = (
         FlagSpec("save_pre", "bool", True, "keep the gate/up pre-activations (2 x intermediate per token slot) "
                  "for backward; false recomputes them there (one more grouped GEMM, less memory)"),
