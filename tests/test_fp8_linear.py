@@ -443,3 +443,36 @@ def test_fp8_bench_cpu_dry_run(tmp_path, capsys):
     assert [p["projection"] for p in data["projections"]] == list(bench.PROJ)
     assert all(len(p["pieces"]) == 12 and all(v["ms"] > 0 for v in p["pieces"].values()) for p in data["projections"])
     assert data["layer"]["fp8_ms"] > 0 and (tmp_path / "fp8.txt").read_text().strip().splitlines()[-1] == last
+
+
+@pytest.mark.parametrize("recipe", list(fp8op.RECIPES))
+@pytest.mark.parametrize("where", ["x", "w", "dy"])
+def test_a_nan_in_any_operand_reaches_the_outputs_it_feeds(recipe, where):
+    """A NaN in the input, the weight or the output gradient is never quantised into a finite value:
+    every output it feeds is NaN (a diverging run must show), the others stay finite.  The row
+    kernels count a NaN as an infinite amax (scale 0, infinite dequantisation factor) and their
+    clamps keep NaN; the column amax's atomic max sees +inf."""
+    k, n, m = 64, 48, 37
+    mod = kernel(recipe, k, n, bias=False)
+    x, w, dy = data(m, k, n, seed=4)
+    {"x": x, "w": w, "dy": dy}[where][3, 5] = float("nan")
+    y = mod.fp8_linear_forward(x, w, None)
+    dx, dw, _ = mod.fp8_linear_backward(dy, x, w, True, True, False)
+    nan = {"x": [(y, (3, slice(None))), (dw, (slice(None), 5))],          # token 3's outputs, input feature 5's dW
+           "w": [(y, (slice(None), 3)), (dx, (slice(None), 5))],          # output feature 3, dx's column 5
+           "dy": [(dx, (3, slice(None))), (dw, (5, slice(None)))]}[where]
+    for t, at in nan:
+        assert t[at].isnan().all(), (where, at)
+    if recipe.startswith("rowwise"):     # per-row scales: the NaN reaches only what it feeds
+        for t, at in nan:
+            t[at] = 0.0
+        for t in (y, dx, dw):
+            assert torch.isfinite(t).all(), where
+    if recipe.startswith("rowwise"):
+        t = torch.randn(6, 80)
+        t[2, 7] = float("nan")
+        for fp8 in (mod.E4M3, mod.E5M2):
+            q, inv = mod.quant_rows(t, fp8)
+            assert q[2, 7].float().isnan() and torch.isinf(inv[2]).all() and torch.isfinite(inv[[0, 1, 3, 4, 5]]).all()
+            qt, invt = mod.quant_cols_t(t, fp8, 16)
+            assert qt[7, 2].float().isnan() and torch.isinf(invt[7]).all()
