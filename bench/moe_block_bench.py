@@ -54,7 +54,8 @@ TINY = {"qwen3_moe": dict(hidden_size=64, num_experts=8, num_experts_per_tok=2, 
         "gpt_oss": dict(hidden_size=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
         "deepseek_v3": dict(hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                             n_shared_experts=1, n_group=2, topk_group=1)}
-VARIANTS = ("default", "patchdsl", "liger", "sonicmoe", "floor")
+VARIANTS = ("default", "patchdsl", "liger", "floor", "sonicmoe")
+SHARE = {"default": 1.0, "patchdsl": 1.0, "liger": 0.9, "floor": 0.3, "sonicmoe": 0.1}   # of the budget, by weight
 TOKENS = 16384
 SWEEP = (4096, 8192, 16384, 32768, 65536)
 # issue 37's targets for the block at 16k tokens: patchdsl's time at most this fraction of the peer's
@@ -84,14 +85,14 @@ def build_block(name: str, dev: str, dt, tiny: bool):
             self.mlp = _module_class(mt, cls)(cfg)
 
     with torch.device("meta"):
-        m = Wrapper()
-    m.to_empty(device=dev)
+        m = Wrapper().to(dt)
+    m.to_empty(device=dev)                 # in the bench dtype: DeepSeek-V3's experts are 22.5 GB in bf16
     g = torch.Generator(device=dev).manual_seed(0)
     with torch.no_grad():
         for p in list(m.parameters()) + list(m.buffers()):
             if p.is_floating_point():
-                p.copy_(torch.randn(p.shape, device=dev, generator=g) * 0.02)
-    return m.to(dt), cfg
+                p.normal_(0.0, 0.02, generator=g)
+    return m, cfg
 
 
 def block_forward(m):
@@ -273,7 +274,7 @@ def main(argv=None) -> int:
     t_end = time.time() + a.budget
     for i, v in enumerate(variants):
         left = t_end - time.time()
-        share = left / (len(variants) - i)
+        share = left * SHARE.get(v, 1.0) / sum(SHARE.get(u, 1.0) for u in variants[i:])
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", v, "--cases", json.dumps(cases)]
         if a.cpu_dry:
             cmd.append("--cpu-dry")

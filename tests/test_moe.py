@@ -204,7 +204,8 @@ def test_fused_experts_is_deterministic_and_routing_metadata_has_no_gaps():
     facts = _facts(False, "concat", False, "silu", E=6, k=3)
     kmod = _kernel(facts, "fp32")
     x, idx, w, gu, dn, _, _ = _inputs(facts, 11, 2)
-    args = (x.float(), idx, w.float(), gu.float(), dn.float())
+    idx = idx.to(DEVICE)
+    args = (x.float().to(DEVICE), idx, w.float().to(DEVICE), gu.float().to(DEVICE), dn.float().to(DEVICE))
     assert torch.equal(kmod.experts(*args), kmod.experts(*args))
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)       # nothing it calls is refused in deterministic mode
@@ -222,7 +223,7 @@ def test_fused_experts_is_deterministic_and_routing_metadata_has_no_gaps():
     assert sorted(r.perm.tolist()) == list(range(flat.numel()))
     assert torch.equal(flat[r.perm].int(), r.expert) and torch.equal(r.expert, torch.sort(flat).values.int())
     assert torch.equal(torch.diff(r.offs, prepend=r.offs.new_zeros(1)).long(), torch.bincount(flat, minlength=6))
-    assert torch.equal(r.inv[r.perm], torch.arange(flat.numel())) and torch.equal(r.tok, r.perm // 3)
+    assert torch.equal(r.inv[r.perm], torch.arange(flat.numel(), device=flat.device)) and torch.equal(r.tok, r.perm // 3)
 
 
 def _sentinel_reference(x, idx, w, gu, dn, gb, db, facts):
