@@ -246,13 +246,13 @@ def test_sentinel_and_out_of_range_indices_contribute_nothing(layout):
     ref = _sentinel_reference(x, idx, w, gu, dn, gb, db, facts)
     dy = torch.randn(ref.shape, dtype=torch.float64)
     rg = torch.autograd.grad(ref, leaves, dy)
-    low = [t.detach().float().requires_grad_(True) for t in leaves]
+    low = [t.detach().float().to(DEVICE).requires_grad_(True) for t in leaves]
     outs = []
     for _ in range(2):
-        out = kmod.experts(low[0], idx, low[1], low[2], low[3], *(low[4:] if facts["bias"] else (None, None)))
-        outs.append((out.detach(), *torch.autograd.grad(out, low, dy.float())))
+        out = kmod.experts(low[0], idx.to(DEVICE), low[1], low[2], low[3], *(low[4:] if facts["bias"] else (None, None)))
+        outs.append((out.detach(), *torch.autograd.grad(out, low, dy.float().to(DEVICE))))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
-    out, *pg = outs[0]
+    out, *pg = (t.cpu() for t in outs[0])
     assert _rel(out, ref) < 1e-5 and all(_rel(p, r) < 1e-5 for p, r in zip(pg, rg))
     bad = (idx < 0) | (idx >= 5)
     assert bool((pg[1][bad] == 0).all()) and bool(bad.any())
@@ -277,7 +277,8 @@ def test_recomputing_the_pre_activations_gives_the_same_gradients():
     mods = [load_kernel(KernelKey.for_op(op, op.key_params(info, {"save_pre": s}, "fp32", TARGET))) for s in (True, False)]
     assert mods[0].SAVE_PRE and not mods[1].SAVE_PRE and "recompute" in op.kernel_name(
         op.key_params(info, {"save_pre": False}, "fp32", TARGET))
-    x, idx, w, gu, dn, gb, db = (t.float() if t.is_floating_point() else t for t in _inputs(facts, 9, 8))
+    x, idx, w, gu, dn, gb, db = (t.float().to(DEVICE) if t.is_floating_point() else t.to(DEVICE)
+                                 for t in _inputs(facts, 9, 8))
     grads = []
     for kmod in mods:
         leaves = [t.clone().requires_grad_(True) for t in (x, w, gu, dn, gb, db)]
@@ -590,10 +591,12 @@ def test_lora_factors_match_float64(layout, dtype, rank):
     ref = K.experts_reference(x, idx, w, gu + s_gu * fac[0] @ fac[1], dn + s_dn * fac[2] @ fac[3], gb, db, facts)
     dy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     rg = torch.autograd.grad(ref, leaves, dy)
-    low = [t.detach().to(tdt).requires_grad_(True) for t in leaves]
-    bias = (gb.to(tdt), db.to(tdt)) if facts["bias"] else (None, None)
+    low = [t.detach().to(device=DEVICE, dtype=tdt).requires_grad_(True) for t in leaves]
+    bias = (gb.to(DEVICE, tdt), db.to(DEVICE, tdt)) if facts["bias"] else (None, None)
+    idx, dy = idx.to(DEVICE), dy.to(DEVICE, tdt)
     out = kmod.experts(low[0], idx, low[1], low[2], low[3], *bias, (low[4], low[5], s_gu), (low[6], low[7], s_dn))
-    pg = torch.autograd.grad(out, low, dy.to(tdt))
+    pg = [t.cpu() for t in torch.autograd.grad(out, low, dy)]
+    out = out.cpu()
     names = ["x", "weights", "gate_up", "down", "gu_lhs", "gu_rhs", "down_lhs", "down_rhs"]
     errs = {"output": _rel(out, ref), **{n: _rel(p, r) for n, p, r in zip(names, pg, rg)}}
     assert max(errs.values()) <= TOL[dtype], errs
@@ -601,12 +604,12 @@ def test_lora_factors_match_float64(layout, dtype, rank):
     low[2].requires_grad_(False)
     low[3].requires_grad_(False)
     out = kmod.experts(low[0], idx, low[1], low[2], low[3], *bias, (low[4], low[5], s_gu), (low[6], low[7], s_dn))
-    pg2 = torch.autograd.grad(out, [low[i] for i in (0, 1, 4, 5, 6, 7)], dy.to(tdt))
+    pg2 = [t.cpu() for t in torch.autograd.grad(out, [low[i] for i in (0, 1, 4, 5, 6, 7)], dy)]
     assert all(torch.allclose(a, b, rtol=1e-2 if dtype == "bf16" else 1e-5, atol=1e-6)
                for a, b in zip(pg2, [pg[i] for i in (0, 1, 4, 5, 6, 7)]))
     # a wrong scaling is seen
     out = kmod.experts(low[0], idx, low[1], low[2], low[3], *bias, (low[4], low[5], s_gu), (low[6], low[7], 1.0))
-    assert _rel(out, ref) > 10 * TOL[dtype]
+    assert _rel(out.cpu(), ref) > 10 * TOL[dtype]
 
 
 def test_peft_lora_on_expert_parameters_trains_through_the_fused_experts():
