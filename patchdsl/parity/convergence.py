@@ -66,7 +66,9 @@ class Family:
 _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=BOS + 1, max_position_embeddings=256, tie_word_embeddings=False)
 
-# One row per family; an MoE family (e.g. Qwen3-MoE / Mixtral, once patchdsl patches experts) is one more row.
+# One row per family, the MoE families (experts, router and all) included.
+_MOE_MINI = dict(hidden_size=896, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                 vocab_size=32000, max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False)
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "llama", "llama",
                     dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
@@ -93,6 +95,14 @@ FAMILIES: dict[str, Family] = {
                           sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True),
                      dict(_TINY, hidden_activation="gelu_pytorch_tanh", sliding_window=16, query_pre_attn_scalar=16,
                           tie_word_embeddings=True)),
+    "qwen3_moe": Family("qwen3_moe", "qwen3_moe", "qwen3_moe",
+                        dict(_MOE_MINI, intermediate_size=2048, num_experts=16, num_experts_per_tok=4,
+                             moe_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+                        dict(_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                             decoder_sparse_step=1, mlp_only_layers=[])),
+    "mixtral": Family("mixtral", "mixtral", "mixtral",
+                      dict(_MOE_MINI, intermediate_size=1792, num_local_experts=8, num_experts_per_tok=2),
+                      dict(_TINY, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
 }
 
 
