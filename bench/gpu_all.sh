@@ -39,6 +39,9 @@
 # _scaled_mm and bf16 GEMM (TFLOP/s), the whole projection through autograd; fp8.json / fp8.txt),
 # mlp (90 s; bench/mlp_bench.py: fused_mlp on StarCoder2-3B's and Minitron-4B's plain MLPs, bf16, 8x2048 tokens: fwd+bwd
 # time and bytes saved for backward, eager vs fused_mlp vs recompute=false, errors against fp32; mlp.json / mlp.txt),
+# moe_block (300 s; bench/moe_block_bench.py: one MoE block, router + experts, fwd+bwd at the Qwen3-30B-A3B, Mixtral-8x7B,
+# gpt-oss-20b and DeepSeek-V3 layer shapes at 16k tokens and the Qwen3 shape from 4k to 64k tokens: default (grouped_mm),
+# patchdsl, Liger, SonicMoE (when importable) and the matmul floor, each in its own process; moe_block.json / .txt),
 # moe_router (60 s; bench/moe_router_bench.py: Qwen3-30B-A3B's router, 16384 tokens, hidden 2048, 128 experts, top 8,
 # bf16, fwd+bwd: fused_router vs the module vs torch.compile vs the matmul floor, norm_topk_prob on and off;
 # moe_router.json / moe_router.txt; verdict `moe_router: PAYS|DOES NOT PAY ...`),
@@ -83,7 +86,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="e2e_8b fp8_ops moe moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence convergence_fp8 label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="e2e_8b fp8_ops moe moe_block moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence convergence_fp8 label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -177,6 +180,7 @@ for part in $PARTS; do
     mlp) lim=$(limit mlp 90) ;;
     fp8_ops) lim=$(limit fp8_ops 90) ;;
     moe_router) lim=$(limit moe_router 60) ;;
+    moe_block) lim=$(limit moe_block 300) ;;
     rope_layouts) lim=$(limit rope_layouts 90) ;;
   esac
   if [ "$lim" -lt 10 ]; then
@@ -371,6 +375,12 @@ for part in $PARTS; do
       run_part fp8_ops "$lim" python3 bench/fp8_bench.py --out "$WORK/fp8_ops" --budget $(( lim - 30 ))
       [ -f "$WORK/fp8_ops/fp8.txt" ] && cat "$WORK/fp8_ops/fp8.txt" >>"$WORK/summary.parts"
       status+=("fp8_ops: $(grep -E '^fp8 \(' "$LOG" | tail -n 1 | cut -c1-600)")
+      ;;
+    moe_block)    # one MoE block (router + experts) at four layer shapes and a token sweep, each variant in its own process
+      mkdir -p "$WORK/moe_block"
+      run_part moe_block "$lim" python3 bench/moe_block_bench.py --out "$WORK/moe_block" --budget $(( lim - 15 ))
+      [ -f "$WORK/moe_block/moe_block.txt" ] && cat "$WORK/moe_block/moe_block.txt" >>"$WORK/summary.parts"
+      status+=("$(grep -E '^moe_block: ' "$LOG" | tail -n 1)")
       ;;
     moe_router)   # does the fused router pay? (issue 24) fused_router vs the module at the Qwen3-30B-A3B shape
       mkdir -p "$WORK/moe_router"
