@@ -38,14 +38,36 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v} (a run of nothing passes vacuously)")
+        return v
+    return parse
+
+
+def _dtypes(text: str) -> list[str]:
+    from patchdsl.parity.convergence import TOLERANCES
+
+    got = [d for d in text.split(",") if d]
+    bad = [d for d in got if d not in TOLERANCES]
+    if bad or not got:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(TOLERANCES)}, got {text!r}")
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", type=float, default=110.0)
     ap.add_argument("--families", default="llama,qwen3,gemma3")
-    ap.add_argument("--dtypes", default="bf16,fp32")
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--dtypes", type=_dtypes, default="bf16,fp32")
+    ap.add_argument("--steps", type=_at_least(1), default=32)
+    ap.add_argument("--batch", type=_at_least(1), default=8)
+    ap.add_argument("--seq", type=_at_least(2), default=512)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", default="mini", choices=("mini", "tiny", "full"))
     ap.add_argument("--no-liger", action="store_true")
@@ -71,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     data, eval_ids, where = conv.training_data(a.steps, a.batch, a.seq)
     print(f"text: {where}; {a.steps} steps of {a.batch} x {a.seq}", flush=True)
     families = [f for f in a.families.split(",") if f]
-    dtypes = [d for d in a.dtypes.split(",") if d]
+    dtypes = a.dtypes
     results: dict[tuple[str, str], conv.FamilyResult] = {}
 
     def left() -> float:

@@ -176,3 +176,28 @@ def test_a_broken_fp8_kernel_fails_the_fp8_convergence_check(mutation, mutate): 
     assert broken
     assert not checks[0].passed and not checks[1].passed, [(c.max_abs_err, c.detail) for c in checks]
     assert len(set(fp8.losses)) == 1                   # it learns nothing (see FP8_STEP_RTOL's comment)
+
+
+@pytest.mark.parametrize("kw", [dict(steps=0, batch=2, seq=8), dict(steps=3, batch=0, seq=8), dict(steps=3, batch=2, seq=1),
+                                dict(steps=-1, batch=2, seq=8), dict(steps=2.5, batch=2, seq=8)])
+def test_a_run_of_nothing_is_refused_not_passed(kw):
+    with pytest.raises(ValueError, match="passes vacuously"):
+        conv.training_data(**kw)
+    empty = conv.Run("x", [], torch.zeros(1, 1, 1), {}, 0.0)
+    with pytest.raises(ValueError, match="nothing to compare"):
+        conv.compare(empty, empty, "fp32")
+    assert not conv.compare_fp8(empty, empty)[0].passed
+
+
+@pytest.mark.parametrize("args,msg", [(["--steps", "0"], "integer >= 1"), (["--seq", "1"], "integer >= 2"),
+                                      (["--dtypes", "fp64"], "comma-separated list of bf16, fp32"),
+                                      (["--steps", "x"], "integer >= 1")])
+def test_the_convergence_bench_refuses_bad_arguments_in_words(args, msg):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(root / "bench" / "convergence.py"), *args], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr[-800:]

@@ -162,7 +162,12 @@ def batches(ids: Any, n: int, batch: int, seq: int) -> list[Any]:
 
 
 def training_data(steps: int, batch: int, seq: int) -> tuple[list[Any], Any, str]:
-    """(``steps`` training batches, the evaluation batch after the last of them, where the text came from)."""
+    """(``steps`` training batches, the evaluation batch after the last of them, where the text came from).
+    Every entry point (run_family, run_fp8, the benches) cuts its batches here: a run of no step, an
+    empty batch or a sequence without a next token would compare nothing and pass."""
+    for name, v, lo in (("steps", steps, 1), ("batch", batch, 1), ("seq", seq, 2)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}: a convergence run of nothing passes vacuously")
     ids, where = tokens()
     data = batches(ids, steps + 1, batch, seq)
     eval_ids = data.pop()
@@ -297,6 +302,8 @@ def compare(ref: Run, run: Run, dtype: str) -> list[Check]:
     import torch
 
     tol = TOLERANCES[dtype]
+    if not ref.losses or len(run.losses) != len(ref.losses):
+        raise ValueError(f"runs of {len(ref.losses)} and {len(run.losses)} steps: nothing to compare step by step")
     out = []
     lr_, lx = torch.tensor(ref.losses), torch.tensor(run.losses)
     ok, m, nbad = _close(lx, lr_, tol["loss"])
@@ -364,7 +371,7 @@ def compare_fp8(bf16: Run, fp8: Run) -> list[Check]:
     import torch
 
     ref, x = torch.tensor(bf16.losses, dtype=torch.float64), torch.tensor(fp8.losses, dtype=torch.float64)
-    if ref.shape != x.shape:
+    if ref.shape != x.shape or not ref.numel():
         return [Check("loss", False, float("inf"), f"{x.numel()} steps against {ref.numel()}", 0.0, FP8_STEP_RTOL)]
     rel = torch.tensor(step_gaps(bf16, fp8), dtype=torch.float64)
     worst = int(rel.argmax()) + 1 if rel.numel() else 0
