@@ -99,6 +99,49 @@ def test_inspect_json_counts_every_folded_module():
     assert norm["kinds"]["RMSNorm"]["offset"] == 1.0
 
 
+# (model, config overrides, the MoE block's router path, the routing both rows must state; issue 37/38):
+# real router widths on the meta device (Qwen3-30B-A3B's shipped config; DeepSeek-V3's and dots1's defaults
+# cut to a few layers, the first MoE one kept)
+MOE_INSPECT = {
+    "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", {}, "model.layers.{0..47}.mlp",
+                      dict(scoring="softmax_topk", norm_topk=True, top_k=8, experts=128)),
+    "deepseek_v3": ("deepseek_v3", dict(num_hidden_layers=4), "model.layers.3.mlp",
+                    dict(scoring="sigmoid_grouped", norm_topk=True, top_k=8, experts=256, n_group=8, topk_group=4,
+                         scaling=2.5)),
+    "dots1": ("dots1", dict(num_hidden_layers=2, n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2,
+                            first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+              "model.layers.1.mlp", dict(scoring="sigmoid_grouped", norm_topk=True, top_k=6, experts=128,
+                                         n_group=1, topk_group=1, scaling=2.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_INSPECT))
+def test_inspect_states_the_moe_routing_once_for_block_and_router(case):
+    """The MoE block's row and its router's row state the same routing, and it is the model's (issue 38:
+    Qwen3-30B-A3B's block read ``scoring=unknown norm_topk=None`` while its router read
+    ``softmax_topk``/``True``: the block probed with an unscaled weight whose softmax underflowed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from patchdsl.models.loading import _read_config_dict, config_from_dict, shipped_config_path
+
+    source, over, block, want = MOE_INSPECT[case]
+    cfg = (config_from_dict(_read_config_dict(shipped_config_path(source))) if "/" in source
+           else AutoConfig.for_model(source))
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg)
+    idx = build_index(m)
+    d = inspect_model(idx, everything=True)
+    by = {r["pattern"]: r for r in d["modules"]}
+    b, r = by[block]["kinds"]["MoEBlock"], by[block + ".gate"]["kinds"]["Router"]
+    for k, v in want.items():
+        assert b[k] == v and r[k] == v, (k, v, b, r)
+    text = render(idx)
+    ln = next(x for x in text.splitlines() if x.startswith(block + " "))
+    assert f"scoring={want['scoring']} norm_topk={want['norm_topk']}" in ln, ln
+
+
 def test_inspect_names_modules_that_fit_no_kind():
     text = render(build_index(_family_model("bloom")))     # its MLP's forward takes the residual too
     ln = next(x for x in text.splitlines() if x.startswith("transformer.h.{0..1}.mlp "))

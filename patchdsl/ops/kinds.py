@@ -1155,10 +1155,27 @@ KIND_NEEDS = {
 }
 
 
+MLA_CHILDREN = ("kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def mla_misfit(children: Any) -> str:
+    """Why a multi-head latent attention module (DeepSeek-V2/V3, Kimi-K2: ``kv_a_proj_with_mqa`` /
+    ``kv_b_proj``, optional ``q_a_proj`` / ``q_b_proj``) fits no Attention op ("" when it is not one)."""
+    ch = set(children)
+    if not all(c in ch for c in MLA_CHILDREN):
+        return ""
+    q = "q_a_proj/q_b_proj" if "q_a_proj" in ch else "q_proj"
+    return (f"multi-head latent attention: RoPE on a decoupled qk_rope_head_dim slice of each q head and of one k "
+            f"slice shared by the heads (kv_a_proj_with_mqa), after low-rank projections ({q}, kv_b_proj); no "
+            "Attention op computes it (fused_rope and fused_qk_norm_rope rotate whole q/k heads of q/k/v_proj)")
+
+
 def kind_misses(kind: str, children: tuple) -> str:
     """What of ``KIND_NEEDS[kind]`` a module with these children lacks, read off the names alone ("" if
     its children look right: then its forward or sizes differ)."""
     ch = set(children)
+    if kind == "Attention" and mla_misfit(ch):
+        return ", ".join(n for n in ("q_proj", "k_proj", "v_proj") if n not in ch) + ": it is " + mla_misfit(ch)
     if kind == "Attention":
         other = sorted(ch & {"dense", "out_proj"})
         miss = ([] if "o_proj" in ch else
