@@ -437,9 +437,13 @@ def _tiny_groups(d: dict) -> bool:
 def _tiny_mla(d: dict) -> None:
     """Multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``, ``qk_rope_head_dim``): its ranks and
     head sizes shrunk together, the rotary head size its ``head_dim`` (transformers sets it so)."""
-    if not isinstance(d.get("kv_lora_rank"), int) or not isinstance(d.get("qk_rope_head_dim"), int):
-        return
-    d.update(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, head_dim=16)
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if (not isinstance(d.get("kv_lora_rank"), int) or not isinstance(d.get("qk_rope_head_dim"), int)
+            or d["qk_rope_head_dim"] <= 0 or (isinstance(rope, dict) and rope.get("mrope_section"))):
+        return       # no MLA, a NoPE one (GLM-5's DSA), or multimodal RoPE sections sized by the shrink elsewhere
+    prf = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    hd = round(16 / prf) if isinstance(prf, (int, float)) and 0 < prf < 1 else 16     # Mistral 4: head_dim x prf rotates
+    d.update(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, head_dim=hd)
     if isinstance(d.get("q_lora_rank"), int):
         d["q_lora_rank"] = 48
 

@@ -1053,8 +1053,9 @@ def _same_outputs(out: Any, r32: Any) -> bool:
 
 @kind("Router", "a mixture-of-experts router: a [experts, hidden] weight (optional bias) and a top_k, "
       "forward(hidden) -> router logits, top-k weights, top-k indices (in any order); scoring (softmax then "
-      "top-k with or without renormalising, top-k then softmax, DeepSeek-V3's sigmoid grouped top-k) and "
-      "output dtypes probed")
+      "top-k with or without renormalising, top-k then softmax, DeepSeek-V2's group-limited softmax, DeepSeek-V3 "
+      "/ GLM-4.5's sigmoid grouped top-k with score-correction bias; unknown otherwise), groups, routed "
+      "scaling and output dtypes probed")
 def router(m: Any) -> dict | None:
     torch = _torch()
     k = m.__dict__.get("top_k")

@@ -1,24 +1,40 @@
-"""fused_router: a mixture-of-experts router's softmax, top-k and normalisation in one kernel
+"""fused_router: a mixture-of-experts router's scoring, top-k and normalisation in one kernel
 (``templates/fused_router.py.j2``).
 
 Replaces the ``forward(hidden)`` of one ``Router`` module instance (transformers 5.x's
-``*TopKRouter`` classes of Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, OLMoE, gpt-oss, GraniteMoE; see the
-kind in :mod:`patchdsl.ops.kinds`).  The router logits stay the module's own linear (a torch
-matmul, in the dtype the module computes it); the kernel takes them and returns the top-k weights
-and indices; the forward returns the three in the module's order and dtypes, as probed (5.17's
-GraniteMoE router returns ``(index, weights, logits)``, 5.24's ``(logits, weights, index)``;
-Mixtral keeps its weights in float32, Qwen3-MoE casts them to the logits' dtype).
+``*TopKRouter`` classes of Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, OLMoE, gpt-oss, GraniteMoE, DeepSeek-V2/V3,
+GLM-4.5, dots1 and the families copied from them; see the kind in :mod:`patchdsl.ops.kinds`).  The
+router logits stay the module's own linear (a torch matmul, in the dtype the module computes it); the
+kernel takes them and returns the top-k weights and indices; the forward returns the three in the
+module's order and dtypes, as probed (5.17's GraniteMoE router returns ``(index, weights, logits)``,
+5.24's ``(logits, weights, index)``; Mixtral keeps its weights in float32, Qwen3-MoE casts them to the
+logits' dtype).  A [batch, seq, hidden] input is routed as its rows when the module's own forward
+flattens it (``view(-1, hidden_dim)``: DeepSeek-V3's block passes the 3-D states).
 
-Top-k is taken on the logits, ties to the lower expert index.  ``torch.topk`` breaks exact ties its
-own way (its CPU and GPU kernels differ from each other): tied experts have equal weights, so only
-which of them is chosen can differ; ``patchdsl verify`` compares the router with the routing held
-fixed (tokens whose expert sets differ between the copies are left out).  The backward gives the logits the gradient of the selected weights (the indices
-get none) and autograd adds the router-logits output's own gradient (the auxiliary loss).
+Scorings computed (the kernel is specialised for one):
+  * ``softmax_topk``: softmax over the experts, top-k, renormalised or not, times the routed scaling
+    factor when the router has one (DeepSeek-V2's greedy);
+  * ``softmax_grouped``: DeepSeek-V2's group_limited_greedy (groups ranked by their best score, the
+    ``topk_group`` best kept, top-k of the rest), scaled;
+  * ``sigmoid_grouped``: DeepSeek-V3 / GLM-4.5 / dots1 / Kimi-K2 (transformers' ``DeepseekV3TopkRouter``
+    and its copies): sigmoid scores, ``e_score_correction_bias`` added for the choice only (read from the
+    module at every call: it is trained outside autograd), groups ranked by the sum of their top-2 biased
+    scores, top-k within the kept groups, the weights the un-biased scores of the chosen experts,
+    renormalised with HF's ``+ 1e-20`` under ``norm_topk_prob``, times ``routed_scaling_factor``.
 
-Refused (the router stays the model's own, the reason is the plan's): DeepSeek-V3-style routers
-(sigmoid scores, ``e_score_correction_bias``, top-k within the best groups, ``torch.topk(sorted=False)``
-whose order is the device's), a router with a scoring the probe does not know (not a Router), and
-inputs other than 2-D (the module's own forward runs them).
+Top-k is taken with exact ties to the lower expert (or group) index, the k slots ordered by descending
+choice score.  ``torch.topk`` breaks exact ties its own way (its CPU and GPU kernels differ from each
+other) and, with ``sorted=False``, orders the k slots the device's way: the experts sum over the k, so
+the order does not matter, and tied experts have equal weights, so only which of them is chosen can
+differ; ``patchdsl verify`` compares the router with the routing held fixed (tokens whose expert sets
+differ between the copies are left out).  The backward gives the logits the gradient of the selected
+weights through the scores (the indices and the correction bias get none, as in transformers) and
+autograd adds the router-logits output's own gradient (the auxiliary loss).
+
+Refused at plan time (the router stays the model's own, the reason is the plan's, naming the module, what
+it holds and what the op computes): a router of scoring ``unknown`` (a Router by structure whose weights
+no probed formula gives), a grouped top-k asking for more experts than the kept groups hold.  At apply
+time: a router whose facts changed since planning, a correction bias that is not [experts].
 
 Not fused: the load-balancing statistics.  They are the causal LM's auxiliary loss
 (``load_balancing_loss_func`` over every layer's returned logits, replayed by the loss ops when
@@ -26,6 +42,7 @@ Not fused: the load-balancing statistics.  They are the causal LM's auxiliary lo
 transformers 5.17 and 5.24 that function already accumulates a per-expert histogram and probability
 sum layer by layer (no one-hot tensor, O(tokens x experts) memory).  What fusing them could save is
 its own softmax and top-k per layer: ``bench/moe_router_bench.py`` times it (the ``aux loss`` row).
+DeepSeek-V3's routers have no auxiliary loss (the correction bias replaces it).
 """
 
 from __future__ import annotations
