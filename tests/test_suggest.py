@@ -246,6 +246,29 @@ def test_cli_inspect_and_suggest(tmp_path):
     assert "28/28 mlp" in r.output and ", 0 refused," in r.output
 
 
+def test_cli_suggest_on_deepseek_v3_s_default_config_checks_and_verifies(tmp_path):
+    """Issue 37/38: ``suggest`` on transformers' default DeepSeek-V3 config (its layers cut to 5: 3 dense, 2
+    MoE) writes a spec that checks and plans (it used to fail on a ``*.shared_experts`` selector: the tiny
+    model kept only dense layers) and verifies in fp32 on the tiny config, with the sigmoid grouped router
+    fused and MLA attention left out with its reason."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("deepseek_v3", num_hidden_layers=5)
+    cfg.save_pretrained(tmp_path / "dsv3")
+    model = str(tmp_path / "dsv3")
+    out = tmp_path / "s.kpatch"
+    r = CliRunner().invoke(main, ["suggest", "--model", model, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    assert "*.gate: Router -> fused_router" in text and "*.experts: Experts -> fused_experts" in text, text
+    assert "DeepseekV3Attention): multi-head latent attention: RoPE on a decoupled qk_rope_head_dim" in text, text
+    r = CliRunner().invoke(main, ["check", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["verify", str(out), "--model", model, "--dtype", "fp32"])
+    assert r.exit_code == 0 and "PASS" in r.output, r.output[-3000:]
+    assert "fused_router" in r.output and "top_k_index" in r.output
+
+
 def test_cli_suggest_bad_model_is_exit_2():
     r = CliRunner().invoke(main, ["suggest", "--model", "no/such-model-here"])
     assert r.exit_code == 2 and "Traceback" not in r.output
