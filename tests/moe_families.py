@@ -48,6 +48,9 @@ MOE_FAMILIES = {
                                                 v_head_dim=8, n_shared_experts=1, n_group=4, topk_group=2,
                                                 topk_method="group_limited_greedy", routed_scaling_factor=1.25),
                             None),
+    # the correction bias added to the logits for the choice, sigmoid weights renormalised (Kolibri1)
+    "kolibri1": ("kolibri1", dict(head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                  shared_expert_intermediate_size=24, norm_topk_prob=True), None),
     # recognised by structure too (no shipped spec)
     "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                     shared_expert_intermediate_size=40), None),

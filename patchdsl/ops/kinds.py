@@ -825,6 +825,14 @@ def _router_candidates(r: Any, x: Any, wt: Any, bias: Any, facts: Mapping[str, A
                 ww = w3 / (w3.sum(-1, keepdim=True) + 1e-20) if norm else w3
                 out.append(("sigmoid_grouped", {"norm_topk": norm, "n_group": ng, "topk_group": tg,
                                                 "scaling": sf}, ww * sf, ix3))
+            # Kolibri1: the bias added to the logits for the choice (sigmoid is monotone, but the bias is not
+            # added after it), the weights the sigmoid of the chosen logits, renormalised without an epsilon
+            ix5 = grouped_route(logits, logits + facts["_corr"], k, ng, tg, "top2")
+            w5 = logits.gather(1, ix5).sigmoid()
+            for norm in (True, False):
+                ww = w5 / w5.sum(-1, keepdim=True) if norm else w5
+                out.append(("sigmoid_grouped", {"norm_topk": norm, "n_group": ng, "topk_group": tg, "scaling": sf,
+                                                "bias_on": "logits", "norm_eps": 0.0}, ww * sf, ix5))
     elif (ng is not None and tg is not None and E % ng == 0 and tg < ng
           and r.__dict__.get("topk_method") != "greedy"):
         # DeepSeek-V2 group_limited_greedy: softmax scores, groups by their max, no renormalisation; tried
@@ -957,19 +965,20 @@ def _moe_block_rest(m: Any, fe: Mapping[str, Any], facts: dict) -> dict:
 # ---- the router module (issue 24: fused_router) ---------------------------------------------------
 ROUTER_SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "softmax_grouped", "unknown")
 # the facts that say how a router routes (shared by the Router and MoEBlock kinds)
-ROUTER_ROUTING_FACTS = ("scoring", "norm_topk", "n_group", "topk_group", "scaling")
+ROUTER_ROUTING_FACTS = ("scoring", "norm_topk", "n_group", "topk_group", "scaling", "bias_on", "norm_eps")
 ROUTER_ROLES = ("logits", "weights", "index")
 
 
 def router_reference(logits: Any, top_k: int, scoring: str, norm_topk: bool, *, bias: Any = None,
                      n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
-                     norm_eps: float = 1e-20) -> tuple[Any, Any]:
+                     norm_eps: float = 1e-20, bias_on: str = "scores") -> tuple[Any, Any]:
     """(top-k weights, top-k indices) of a router from its logits, in plain torch at the logits' precision
     (float64 in the tests): ``softmax_topk`` = softmax over all experts, the top-k of it, renormalised
     over the k when ``norm_topk``; ``topk_softmax`` = the top-k logits, softmax over those k;
     ``sigmoid_grouped`` (DeepSeek-V3 / GLM-4.5 / dots1) = sigmoid scores s, the choice c = s + ``bias``,
     groups ranked by the sum of their top-2 c, the best ``topk_group`` of ``n_group`` kept, the top-k of c
-    among them, weights s (renormalised with ``+ norm_eps`` when ``norm_topk``); ``softmax_grouped``
+    among them, weights s (renormalised with ``+ norm_eps`` when ``norm_topk``; ``bias_on="logits"``: the
+    bias added to the logits instead, Kolibri1's, with ``norm_eps`` 0); ``softmax_grouped``
     (DeepSeek-V2 group_limited_greedy) = the same with softmax scores, groups ranked by their max, no
     bias; every scoring times ``scaling``.  Indices by descending value (logit, or c), ties to the lower
     index (a stable sort: fused_router's rule; ``torch.topk`` breaks ties its own way, which differs
@@ -978,7 +987,8 @@ def router_reference(logits: Any, top_k: int, scoring: str, norm_topk: bool, *, 
     torch = _torch()
     if scoring in ("sigmoid_grouped", "softmax_grouped"):
         s = logits.sigmoid() if scoring == "sigmoid_grouped" else torch.softmax(logits, dim=-1)
-        c = s + bias.to(s.dtype) if bias is not None else s
+        base = logits if bias_on == "logits" else s
+        c = base + bias.to(s.dtype) if bias is not None else base
         E = logits.shape[-1]
         if topk_group < n_group:
             grouped = c.reshape(*c.shape[:-1], n_group, E // n_group)

@@ -20,7 +20,9 @@ Scorings computed (the kernel is specialised for one):
     and its copies): sigmoid scores, ``e_score_correction_bias`` added for the choice only (read from the
     module at every call: it is trained outside autograd), groups ranked by the sum of their top-2 biased
     scores, top-k within the kept groups, the weights the un-biased scores of the chosen experts,
-    renormalised with HF's ``+ 1e-20`` under ``norm_topk_prob``, times ``routed_scaling_factor``.
+    renormalised with HF's ``+ 1e-20`` under ``norm_topk_prob``, times ``routed_scaling_factor``;
+    Kolibri1's variant adds the bias to the logits instead (``bias_on="logits"``) and renormalises
+    without an epsilon.
 
 Top-k is taken with exact ties to the lower expert (or group) index, the k slots ordered by descending
 choice score.  ``torch.topk`` breaks exact ties its own way (its CPU and GPU kernels differ from each
@@ -55,7 +57,7 @@ from .registry import register
 
 # the router facts the replacement forward relies on: the live module must still have them
 ROUTER_FACTS = ("experts", "top_k", "bias", "order", "scoring", "norm_topk", "linear", "logits_dtype",
-                "weights_dtype", "flattens", "n_group", "topk_group", "scaling")
+                "weights_dtype", "flattens", "n_group", "topk_group", "scaling", "bias_on", "norm_eps")
 # the scorings fused_router computes (patchdsl.ops.kinds.ROUTER_SCORINGS has the rest: refused)
 COMPUTED = {"softmax_topk": "softmax over the experts then top-k (renormalised or not)",
             "sigmoid_grouped": ("DeepSeek-V3 / GLM-4.5 / dots1's sigmoid scores with the score-correction bias "
@@ -136,9 +138,11 @@ class FusedRouter(Op):
                   "target": target, "scoring": scoring, "scaling": float(f.get("scaling") or 1.0),
                   **router_tiles(E, k, target, flags.get("rows", "auto"), ng)}
         if grouped:
-            params.update(n_group=ng, topk_group=int(f.get("topk_group") or ng), norm_eps=NORM_EPS,
+            eps = f.get("norm_eps")
+            params.update(n_group=ng, topk_group=int(f.get("topk_group") or ng),
+                          norm_eps=float(eps) if eps is not None else NORM_EPS,
                           group_score="top2" if scoring == "sigmoid_grouped" else "max",
-                          has_bias=scoring == "sigmoid_grouped")
+                          has_bias=scoring == "sigmoid_grouped", bias_on=str(f.get("bias_on") or "scores"))
         return params
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
@@ -146,6 +150,8 @@ class FusedRouter(Op):
         parts = [self.name, scoring, params["dtype"], f"e{params['experts']}", f"k{params['top_k']}"]
         if scoring != "softmax_topk":
             parts += [f"g{params['n_group']}", f"tg{params['topk_group']}"]
+            if params.get("bias_on") == "logits":
+                parts.append("logitbias")
         if params["norm_topk"]:
             parts.append("norm")
         if params.get("scaling", 1.0) != 1.0:

@@ -20,7 +20,8 @@ and are left out of the weight and gradient comparisons (verify's rule).
 
 Cases that must fail: the same comparisons against kernels broken in the ways the routing can be got
 wrong (the bias ignored in the choice, the bias added to the weights, groups ranked by their best
-score, the other groups not masked, the scaling dropped, the sigmoid's derivative dropped).
+score, the other groups not masked, the scaling dropped, the sigmoid's derivative dropped).  Kolibri1's
+variant (the bias added to the logits for the choice, no epsilon in the renormalisation) is in both tables.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def _choice64(gate, logits64, facts):
     if scoring == "softmax_topk":
         return logits64, float("inf")
     s = logits64.sigmoid() if scoring == "sigmoid_grouped" else torch.softmax(logits64, -1)
-    c = s + gate.e_score_correction_bias.double().cpu() if scoring == "sigmoid_grouped" else s
+    base = logits64 if facts.get("bias_on") == "logits" else s
+    c = base + gate.e_score_correction_bias.double().cpu() if scoring == "sigmoid_grouped" else s
     ng, tg = facts["n_group"], facts["topk_group"]
     if tg >= ng:
         return c, float("inf")
@@ -100,9 +102,11 @@ def _choice64(gate, logits64, facts):
 
 
 # ---------------------------------------------------------------- kernel level
-def grouped_kernels(E, k, scoring, n_group, topk_group, norm, scaling, dtype="fp32"):
+def grouped_kernels(E, k, scoring, n_group, topk_group, norm, scaling, dtype="fp32", bias_on="scores"):
     facts = {"experts": E, "top_k": k, "norm_topk": norm, "hidden": 32, "scoring": scoring,
              "n_group": n_group, "topk_group": topk_group, "scaling": scaling}
+    if bias_on == "logits":
+        facts.update(bias_on="logits", norm_eps=0.0)
     return kernel_for(OP, "Router", facts, dtype)
 
 
@@ -115,6 +119,7 @@ CASES = [
     (23, 128, 6, "sigmoid_grouped", 1, 1, True, 2.5, "bf16", "fp32"),    # dots1's, bf16-rounded logits
     (31, 16, 4, "softmax_grouped", 4, 2, False, 16.0, "fp32", "fp32"),   # DeepSeek-V2's group-limited greedy
     (29, 8, 2, "softmax_topk", 1, 1, False, 1.25, "fp32", "fp32"),       # DeepSeek-V2's greedy, scaled
+    (27, 16, 4, "sigmoid_logits", 1, 1, True, 1.0, "fp32", "fp32"),      # Kolibri1: the bias on the logits
     (1, 8, 2, "sigmoid_grouped", 2, 1, True, 1.0, "fp32", "bf16"),
     (0, 8, 2, "sigmoid_grouped", 4, 2, True, 1.0, "fp32", "fp32"),
 ]
@@ -123,19 +128,27 @@ CASES = [
 def _case_inputs(n, E, scoring, ldt, seed):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(n, E, generator=g) * 2).to(TORCH_DTYPES[ldt])
-    bias = (torch.randn(E, generator=g) * 0.3) if scoring == "sigmoid_grouped" else None
+    bias = (torch.randn(E, generator=g) * 0.3) if scoring.startswith("sigmoid") else None
     return logits, bias, g
 
 
+def _split(scoring):
+    """("sigmoid_logits" is the table's name for sigmoid_grouped with the bias on the logits) -> (scoring, bias_on)."""
+    return ("sigmoid_grouped", "logits") if scoring == "sigmoid_logits" else (scoring, "scores")
+
+
 def _reference(logits, bias, k, scoring, ng, tg, norm, sf):
+    scoring, bias_on = _split(scoring)
     l64 = logits.detach().double().cpu().requires_grad_(True)
     w64, i64 = router_reference(l64, k, scoring, norm, bias=None if bias is None else bias.double(),
-                                n_group=ng, topk_group=tg, scaling=sf)
+                                n_group=ng, topk_group=tg, scaling=sf, bias_on=bias_on,
+                                norm_eps=0.0 if bias_on == "logits" else 1e-20)
     return l64, w64, i64
 
 
 def _margins(logits, bias, k, scoring, ng, tg):
-    facts = {"scoring": scoring, "n_group": ng, "topk_group": tg}
+    scoring, bias_on = _split(scoring)
+    facts = {"scoring": scoring, "n_group": ng, "topk_group": tg, "bias_on": bias_on}
     gate = types.SimpleNamespace(e_score_correction_bias=bias)
     c, gmargin = _choice64(gate, logits.double().cpu(), facts)
     top = torch.sort(c, -1, descending=True)[0]
@@ -153,7 +166,7 @@ def _compare(w, idx, w64, i64, wdt, E):
                          ids=[f"t{c[0]}-e{c[1]}-k{c[2]}-{c[3]}-g{c[4]}of{c[5]}-{'norm' if c[6] else 'raw'}-s{c[7]}-"
                               f"{c[8]}-w{c[9]}" for c in CASES])
 def test_grouped_values_and_gradient_match_float64(n, E, k, scoring, ng, tg, norm, sf, ldt, wdt):
-    mod = grouped_kernels(E, k, scoring, ng, tg, norm, sf, ldt)
+    mod = grouped_kernels(E, k, *_split(scoring)[:1], ng, tg, norm, sf, ldt, bias_on=_split(scoring)[1])
     logits, bias, g = _case_inputs(n, E, scoring, ldt, seed=n * 131 + E)
     if n:
         assert _margins(logits, bias, k, scoring, ng, tg) > GAP, "near-tie in the test inputs: pick another seed"
@@ -173,7 +186,7 @@ def test_grouped_values_and_gradient_match_float64(n, E, k, scoring, ng, tg, nor
     assert logits.grad.dtype == logits.dtype
     assert_close(logits.grad, l64.grad, ldt, "d logits")
     free = torch.ones(n, E, dtype=torch.bool).scatter_(1, i64, False)
-    if scoring == "sigmoid_grouped":            # the experts not selected get no gradient
+    if scoring.startswith("sigmoid"):           # the experts not selected get no gradient
         assert (logits.grad.cpu()[free] == 0).all()
 
 
@@ -208,7 +221,7 @@ _TMP: list = []
 # kernel-source breakages of the grouped routing (regexes on the rendered grouped_fwd_kernel / _bwd_kernel)
 FWD, BWD = r"^def grouped_fwd_kernel\(", r"^def grouped_bwd_kernel\("
 BROKEN = {
-    "bias ignored in the choice": (Edit(r"c = s \+ tl\.load\(B \+ cols", "c = s + 0.0 * tl.load(B + cols", FWD),),
+    "bias ignored in the choice": (Edit(r"c = (s|x) \+ tl\.load\(B \+ cols", r"c = \1 + 0.0 * tl.load(B + cols", FWD),),
     "bias added to the weights": (Edit(r"s, 0\.0\), 1\)        # its un-biased score", "c, 0.0), 1)", FWD),),
     "groups ranked by their best": (Edit(r"\(m1 \+ m2\)\[:, None\]", "m1[:, None]", FWD),),
     "other groups not masked": (Edit(r"c = tl\.where\(keep != 0, c, float\(\"-inf\"\)\)", "c = c", FWD),),
@@ -254,7 +267,7 @@ def test_a_kernel_broken_in_the_routing_fails_the_comparison(broken, mutants):
 # ---------------------------------------------------------------- the op on the families' routers
 # family -> the router's selector; the first layer's router is compared
 FAMILIES = {"deepseek_v3": "*.mlp.gate", "glm4_moe": "*.mlp.gate", "dots1": "*.mlp.gate",
-            "deepseek_v2": "*.mlp.gate", "deepseek_v2_grouped": "*.mlp.gate",
+            "deepseek_v2": "*.mlp.gate", "deepseek_v2_grouped": "*.mlp.gate", "kolibri1": "*.mlp.gate",
             "qwen3_moe": "*.mlp.gate", "mixtral": "*.mlp.gate", "olmoe": "*.mlp.gate", "gpt_oss": "*.mlp.router",
             "granitemoe": "*.block_sparse_moe.router", "qwen3_5_moe": "*.mlp.gate"}
 # DeepSeek-V3's tiny family has 4 experts in 2 groups: give its router more, so the groups choose
@@ -336,7 +349,7 @@ def test_the_patched_router_matches_transformers_in_float64(family, dtype):
 FAMILY_BROKEN = [("deepseek_v3", "bias ignored in the choice"), ("deepseek_v3", "bias added to the weights"),
                  ("deepseek_v3", "groups ranked by their best"), ("glm4_moe", "other groups not masked"),
                  ("dots1", "scaling dropped"), ("glm4_moe", "sigmoid derivative dropped"),
-                 ("deepseek_v3", "renormalisation gradient dropped")]
+                 ("deepseek_v3", "renormalisation gradient dropped"), ("kolibri1", "bias ignored in the choice")]
 
 
 @pytest.mark.parametrize("family,broken", FAMILY_BROKEN, ids=[f"{f}-{b}" for f, b in FAMILY_BROKEN])
