@@ -336,3 +336,43 @@ def test_moe_router_bench_cpu_dry_run(tmp_path, capsys):
     assert {"module", "fused", "matmul", "aux loss"} <= set(data["rows"][0]["ms"])
     assert all(r["differing_sets_are_exact_ties"] and r["grad_x_rel_fro"] < 1e-2 for r in data["rows"])
     assert (tmp_path / "moe_router.txt").read_text().strip().splitlines()[-1] == out[-1]
+
+
+# every branch of the plan-time refusal, on facts (the ones no transformers router reaches are defensive:
+# a forward that cannot view its experts as equal groups fails the Router probe before)
+BASE = {"experts": 8, "top_k": 2, "scoring": "sigmoid_grouped", "n_group": 4, "topk_group": 2}
+MISFITS = [
+    ({**BASE, "scoring": "unknown", "routing": "top_k=2, foo=1"},
+     r"its top-k weights are none of the routings probed \(it holds top_k=2, foo=1\); fused_router computes"),
+    ({**BASE, "scoring": "topk_softmax"}, r"its routing is top-k of the logits then a softmax over the k; fused_router"),
+    ({**BASE, "n_group": 3}, r"its 8 experts in n_group=3 groups with topk_group=2 are not equal groups"),
+    ({**BASE, "topk_group": 5}, r"are not equal groups of which some are kept"),
+    ({**BASE, "n_group": 8, "topk_group": 4}, r"its groups of 1 expert rank by a top-2 sum"),
+    ({**BASE, "topk_group": 1, "top_k": 3}, r"its top_k=3 is more than the 2 experts of the topk_group=1 kept groups"),
+    ({**BASE, "scoring": "softmax_grouped", "n_group": 8, "topk_group": 1, "top_k": 2},
+     r"its top_k=2 is more than the 1 experts of the topk_group=1 kept groups"),
+]
+
+
+@pytest.mark.parametrize("facts,message", MISFITS, ids=[f"{f['scoring']}-{i}" for i, (f, _) in enumerate(MISFITS)])
+def test_every_routing_refusal_says_what_it_has_and_what_the_op_computes(facts, message):
+    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.ops.registry import get_op
+
+    op = get_op(OP)
+    why = op.misfit(ModuleInfo("model.layers.0.mlp.gate", "SomeRouter", (), {"Router": facts}), None)
+    assert why and why.startswith("model.layers.0.mlp.gate (SomeRouter): ") and re.search(message, why), why
+    assert why.endswith("not patched (the router stays the model's own)")
+    with pytest.raises(ValueError, match="fused_router: model.layers.0.mlp.gate"):     # never a kernel for it
+        op.key_params(ModuleInfo("model.layers.0.mlp.gate", "SomeRouter", (), {"Router": facts}), op.default_flags(),
+                      "fp32", TARGET)
+
+
+def test_the_routings_it_computes_are_no_misfit():
+    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.ops.registry import get_op
+
+    op = get_op(OP)
+    for facts in (BASE, {**BASE, "n_group": 1, "topk_group": 1}, {**BASE, "scoring": "softmax_grouped"},
+                  {"experts": 8, "top_k": 2, "scoring": "softmax_topk"}):
+        assert op.misfit(ModuleInfo("g", "R", (), {"Router": facts}), None) is None, facts
