@@ -56,7 +56,8 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("mlp", "Experts", "fused_experts", "",
               "routed experts: grouped GEMMs with the activation and the routing weights in their epilogues"),
     Candidate("mlp", "Router", "fused_router", "",
-              "MoE router: softmax, top-k and renormalisation in one kernel (its linear stays a GEMM)"),
+              "MoE router: its scoring (softmax, or DeepSeek-V3's sigmoid with the correction bias), grouped or "
+              "plain top-k, renormalisation and scaling in one kernel (its linear stays a GEMM)"),
     Candidate("loss", "Linear", "fused_linear_cross_entropy", "ignore_index=-100, chunk=auto",
               "lm_head matmul + cross entropy in chunks: the logits never exist whole"),
 )
@@ -172,6 +173,10 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
             return f"a norm with child modules ({', '.join(named)}); no op for it"
         return f"computes neither RMSNorm nor LayerNorm as patchdsl's probes know them"
     if concern == "attention":
+        from .ops.kinds import mla_misfit
+
+        if mla_misfit(named):
+            return mla_misfit(named)
         if "o_proj" not in named:
             outs = [n for n in named if n in ("dense", "out_proj", "c_proj", "o")]
             return (f"its projections are not q/k/v_proj (or qkv_proj) + o_proj "

@@ -30,6 +30,27 @@ MOE_FAMILIES = {
                                              moe_intermediate_size=24, shared_expert_intermediate_size=40,
                                              num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
                     "qwen3_5_moe"),
+    # the sigmoid grouped top-k router with a score-correction bias (issue 37): GLM-4.5, dots1; DeepSeek-V2's
+    # softmax routers (greedy with a routed scaling factor; group-limited greedy)
+    "glm4_moe": ("glm4_moe", dict(head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                  n_group=4, topk_group=2, first_k_dense_replace=0, n_shared_experts=1,
+                                  routed_scaling_factor=1.5, partial_rotary_factor=0.5), None),
+    "dots1": ("dots1", dict(head_dim=8, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+                            n_group=4, topk_group=2, first_k_dense_replace=0, n_shared_experts=1,
+                            routed_scaling_factor=2.0, norm_topk_prob=False), None),
+    "deepseek_v2": ("deepseek_v2", dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=24, first_k_dense_replace=0, kv_lora_rank=16,
+                                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                        n_shared_experts=1, topk_method="greedy", routed_scaling_factor=1.25), None),
+    "deepseek_v2_grouped": ("deepseek_v2", dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                                                moe_intermediate_size=24, first_k_dense_replace=0, kv_lora_rank=16,
+                                                q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                                v_head_dim=8, n_shared_experts=1, n_group=4, topk_group=2,
+                                                topk_method="group_limited_greedy", routed_scaling_factor=1.25),
+                            None),
+    # the correction bias added to the logits for the choice, sigmoid weights renormalised (Kolibri1)
+    "kolibri1": ("kolibri1", dict(head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                  shared_expert_intermediate_size=24, norm_topk_prob=True), None),
     # recognised by structure too (no shipped spec)
     "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                     shared_expert_intermediate_size=40), None),

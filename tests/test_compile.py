@@ -110,9 +110,17 @@ OPCHECK_RUNS = {
                                                     "model.layers.0.mlp: MLP -> fused_mlp(recompute=false)\n"),
     # the router (softmax, top-k, renormalisation): Mixtral's renormalises and keeps float32 weights
     "mixtral_router": (lambda: tiny_moe_model("mixtral").train(), "dtype fp32\n*.mlp.gate: Router -> fused_router\n"),
+    # DeepSeek-V3's sigmoid grouped top-k (issue 37): the correction bias a tensor argument of the custom op
+    "deepseek_v3_router": (lambda: _deepseek_v3_router_model(), "dtype fp32\n*.mlp.gate: Router -> fused_router\n"),
     # the gated RMSNorm of Qwen3-Next's linear-attention layers (x and its gate both get gradients)
     "qwen3_next_gated": (lambda: _gated_norm_model(), "dtype fp32\n*.linear_attn.norm: GatedRMSNorm -> fused_rmsnorm_gated\n"),
 }
+
+
+def _deepseek_v3_router_model():
+    from .test_mutations import tiny_deepseek_v3
+
+    return tiny_deepseek_v3().train()
 
 
 def _gated_norm_model():

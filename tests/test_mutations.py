@@ -108,6 +108,21 @@ def tiny_mixtral():
     return tiny_moe_model("mixtral")
 
 
+def tiny_deepseek_v3():
+    """DeepSeek-V3 (issue 37): the sigmoid grouped top-k router, 8 experts in 4 groups, 2 kept, top 3, with a
+    random score-correction bias and router weight (they initialise to zero and near zero)."""
+    from .moe_families import tiny_moe_model
+
+    m = tiny_moe_model("deepseek_v3", n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            gate = layer.mlp.gate
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=g) * 2 / gate.weight.shape[1] ** 0.5)
+            gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape, generator=g) * 0.3)
+    return m
+
+
 def tiny_qwen3_next():
     """Qwen3-Next (issue 25): a linear-attention layer whose output goes through the gated RMSNorm."""
     from .test_gated_norms import tiny_qwen3_next as build
@@ -116,7 +131,8 @@ def tiny_qwen3_next():
 
 
 MODELS = {"qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "phi": tiny_phi, "qwen3_moe": tiny_qwen3_moe,
-          "gpt_oss": tiny_gpt_oss, "mixtral": tiny_mixtral, "qwen3_next": tiny_qwen3_next}
+          "gpt_oss": tiny_gpt_oss, "mixtral": tiny_mixtral, "qwen3_next": tiny_qwen3_next,
+          "deepseek_v3": tiny_deepseek_v3}
 
 SPECS = {
     "fused_rmsnorm": "*.input_layernorm, *.post_attention_layernorm, model.norm: RMSNorm -> fused_rmsnorm\n",
@@ -394,6 +410,19 @@ ALL_MUTATIONS = [
     Mutation("fused_router", "second_choice_repeats_the_first",
              (Edit(r"work = tl\.where\(cols\[None, :\] == i\[:, None\], float\(\"-inf\"\), work\)", "work = work",
                    r"^def router_fwd_kernel\("),), model="mixtral", expect=("top_k_index",)),
+    # ---- fused_router's sigmoid grouped top-k (issue 37; DeepSeek-V3: 8 experts, 4 groups, 2 kept, top 3)
+    Mutation("fused_router", "correction_bias_ignored_in_the_choice",
+             (Edit(r"c = s \+ tl\.load\(B \+ cols", "c = s + 0.0 * tl.load(B + cols", r"^def grouped_fwd_kernel\("),),
+             model="deepseek_v3", expect=("top_k_index",)),
+    Mutation("fused_router", "correction_bias_in_the_weights",
+             (Edit(r"s, 0\.0\), 1\)        # its un-biased score", "c, 0.0), 1)", r"^def grouped_fwd_kernel\("),),
+             model="deepseek_v3", expect=("top_k_weights",)),
+    Mutation("fused_router", "groups_ranked_by_their_best",
+             (Edit(r"\(m1 \+ m2\)\[:, None\]", "m1[:, None]", r"^def grouped_fwd_kernel\("),),
+             model="deepseek_v3", expect=("top_k_index",)),
+    Mutation("fused_router", "sigmoid_derivative_dropped",
+             (Edit(r"c = ds \* ssel \* \(1\.0 - ssel\)", "c = ds * ssel", r"^def grouped_bwd_kernel\("),),
+             model="deepseek_v3", dtype="fp32", expect=("grad_input_via_weights", "grad_weight_via_weights")),
     # ---- fused_geglu (Gemma 3: tanh GELU)
     Mutation("fused_geglu", "dup_without_activation",
              (Edit(r"\(dy \* a\)", "(dy * g)", GLU_BWD),), model="gemma3", expect=("grad_up_proj.weight",)),

@@ -99,6 +99,49 @@ def test_inspect_json_counts_every_folded_module():
     assert norm["kinds"]["RMSNorm"]["offset"] == 1.0
 
 
+# (model, config overrides, the MoE block's router path, the routing both rows must state; issue 37/38):
+# real router widths on the meta device (Qwen3-30B-A3B's shipped config; DeepSeek-V3's and dots1's defaults
+# cut to a few layers, the first MoE one kept)
+MOE_INSPECT = {
+    "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", {}, "model.layers.{0..47}.mlp",
+                      dict(scoring="softmax_topk", norm_topk=True, top_k=8, experts=128)),
+    "deepseek_v3": ("deepseek_v3", dict(num_hidden_layers=4), "model.layers.3.mlp",
+                    dict(scoring="sigmoid_grouped", norm_topk=True, top_k=8, experts=256, n_group=8, topk_group=4,
+                         scaling=2.5)),
+    "dots1": ("dots1", dict(num_hidden_layers=2, n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2,
+                            first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+              "model.layers.1.mlp", dict(scoring="sigmoid_grouped", norm_topk=True, top_k=6, experts=128,
+                                         n_group=1, topk_group=1, scaling=2.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_INSPECT))
+def test_inspect_states_the_moe_routing_once_for_block_and_router(case):
+    """The MoE block's row and its router's row state the same routing, and it is the model's (issue 38:
+    Qwen3-30B-A3B's block read ``scoring=unknown norm_topk=None`` while its router read
+    ``softmax_topk``/``True``: the block probed with an unscaled weight whose softmax underflowed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from patchdsl.models.loading import _read_config_dict, config_from_dict, shipped_config_path
+
+    source, over, block, want = MOE_INSPECT[case]
+    cfg = (config_from_dict(_read_config_dict(shipped_config_path(source))) if "/" in source
+           else AutoConfig.for_model(source))
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg)
+    idx = build_index(m)
+    d = inspect_model(idx, everything=True)
+    by = {r["pattern"]: r for r in d["modules"]}
+    b, r = by[block]["kinds"]["MoEBlock"], by[block + ".gate"]["kinds"]["Router"]
+    for k, v in want.items():
+        assert b[k] == v and r[k] == v, (k, v, b, r)
+    text = render(idx)
+    ln = next(x for x in text.splitlines() if x.startswith(block + " "))
+    assert f"scoring={want['scoring']} norm_topk={want['norm_topk']}" in ln, ln
+
+
 def test_inspect_names_modules_that_fit_no_kind():
     text = render(build_index(_family_model("bloom")))     # its MLP's forward takes the residual too
     ln = next(x for x in text.splitlines() if x.startswith("transformer.h.{0..1}.mlp "))
@@ -201,6 +244,29 @@ def test_cli_inspect_and_suggest(tmp_path):
     r = CliRunner().invoke(main, ["plan", str(out), "--model", "Qwen/Qwen3-0.6B"])
     assert r.exit_code == 0, r.output
     assert "28/28 mlp" in r.output and ", 0 refused," in r.output
+
+
+def test_cli_suggest_on_deepseek_v3_s_default_config_checks_and_verifies(tmp_path):
+    """Issue 37/38: ``suggest`` on transformers' default DeepSeek-V3 config (its layers cut to 5: 3 dense, 2
+    MoE) writes a spec that checks and plans (it used to fail on a ``*.shared_experts`` selector: the tiny
+    model kept only dense layers) and verifies in fp32 on the tiny config, with the sigmoid grouped router
+    fused and MLA attention left out with its reason."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("deepseek_v3", num_hidden_layers=5)
+    cfg.save_pretrained(tmp_path / "dsv3")
+    model = str(tmp_path / "dsv3")
+    out = tmp_path / "s.kpatch"
+    r = CliRunner().invoke(main, ["suggest", "--model", model, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    assert "*.gate: Router -> fused_router" in text and "*.experts: Experts -> fused_experts" in text, text
+    assert "DeepseekV3Attention): multi-head latent attention: RoPE on a decoupled qk_rope_head_dim" in text, text
+    r = CliRunner().invoke(main, ["check", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["verify", str(out), "--model", model, "--dtype", "fp32"])
+    assert r.exit_code == 0 and "PASS" in r.output, r.output[-3000:]
+    assert "fused_router" in r.output and "top_k_index" in r.output
 
 
 def test_cli_suggest_bad_model_is_exit_2():

@@ -347,11 +347,17 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     if d.get("sliding_window"):
         d["sliding_window"] = min(int(d["sliding_window"]), 8)
     _tiny_mamba(d, hidden, hidden0)
+    _tiny_moe_defaults(d)
+    grouped = _tiny_groups(d)
     for k in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if isinstance(d.get(k), int) and d[k] > 4:
+        if isinstance(d.get(k), int) and d[k] > 4 and not grouped:
             d[k] = 4
     if isinstance(d.get("num_experts_per_tok"), int):
         d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2)
+    if isinstance(d.get("first_k_dense_replace"), int) and d["first_k_dense_replace"] >= n:
+        # DeepSeek-V2/V3, dots1: the first k layers dense, the rest MoE; keep one of each (as layer kinds)
+        d["first_k_dense_replace"] = n - 1
+    _tiny_mla(d)
 
     # rope: long-rope factor lists follow the rotary dimension
     rot_half = int(hd * (prf or 1.0)) // 2
@@ -384,6 +390,62 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     new = type(config).from_dict(d)
     new._name_or_path = f"tiny:{getattr(config, '_name_or_path', '') or d.get('model_type')}"
     return new
+
+
+# MoE sizes a family's default config leaves None though its modelling code needs them (transformers 5.x):
+# the released checkpoint's values (then shrunk as every MoE config is).  DeepSeek-V2 / V2-Lite route 6
+# experts per token; dots.llm1 has 128 routed experts, 6 per token, 2 shared, the first layer dense.
+_MOE_DEFAULTS = {
+    "deepseek_v2": {"num_experts_per_tok": 6},
+    "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1},
+}
+
+
+def _tiny_moe_defaults(d: dict) -> None:
+    fills = _MOE_DEFAULTS.get(d.get("model_type"), {})
+    no_experts = all(d.get(k) is None for k in ("n_routed_experts", "num_local_experts", "num_experts"))
+    for k, v in fills.items():
+        if d.get(k) is None or (k == "first_k_dense_replace" and no_experts):
+            d[k] = v
+            if k == "n_routed_experts":          # its standard names too (the census maps attribute_map's)
+                for alias in ("num_local_experts", "num_experts"):
+                    if alias in d and d[alias] is None:
+                        d[alias] = v
+
+
+def _tiny_groups(d: dict) -> bool:
+    """A grouped router (DeepSeek-V2's group-limited greedy, DeepSeek-V3 / GLM-4.5's grouped top-k:
+    ``n_group`` > 1) shrunk with its groups: 8 experts in at most 4 groups of 2 (the top-2 group score
+    needs 2 per group), as many groups kept in proportion (at least 1, fewer than all when the original
+    drops some), top-k within the kept experts.  True when it did."""
+    E = next((d[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if isinstance(d.get(k), int)), None)
+    ng, tg = d.get("n_group"), d.get("topk_group")
+    if not (isinstance(E, int) and isinstance(ng, int) and isinstance(tg, int) and ng > 1 and E % ng == 0):
+        return False
+    ng2 = min(ng, 4)
+    tg2 = ng2 if tg >= ng else max(1, min(ng2 - 1, round(tg * ng2 / ng)))
+    E2 = 2 * ng2
+    for k in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if isinstance(d.get(k), int):
+            d[k] = E2
+    d.update(n_group=ng2, topk_group=tg2)
+    if isinstance(d.get("num_experts_per_tok"), int):
+        d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2, tg2 * (E2 // ng2))
+    return True
+
+
+def _tiny_mla(d: dict) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``, ``qk_rope_head_dim``): its ranks and
+    head sizes shrunk together, the rotary head size its ``head_dim`` (transformers sets it so)."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if (not isinstance(d.get("kv_lora_rank"), int) or not isinstance(d.get("qk_rope_head_dim"), int)
+            or d["qk_rope_head_dim"] <= 0 or (isinstance(rope, dict) and rope.get("mrope_section"))):
+        return       # no MLA, a NoPE one (GLM-5's DSA), or multimodal RoPE sections sized by the shrink elsewhere
+    prf = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    hd = round(16 / prf) if isinstance(prf, (int, float)) and 0 < prf < 1 else 16     # Mistral 4: head_dim x prf rotates
+    d.update(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, head_dim=hd)
+    if isinstance(d.get("q_lora_rank"), int):
+        d["q_lora_rank"] = 48
 
 
 def _tiny_mamba(d: dict, hidden: int, hidden0: int) -> None:

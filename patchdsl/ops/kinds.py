@@ -765,36 +765,82 @@ MOE_ROUTER_NAMES = ("gate", "router")
 MOE_SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
 
 
+def router_scaling(r: Any) -> float:
+    """A router's ``routed_scaling_factor`` (1.0 when it has none)."""
+    sf = r.__dict__.get("routed_scaling_factor", 1.0)
+    return float(sf) if isinstance(sf, (int, float)) and not isinstance(sf, bool) and sf else 1.0
+
+
+def router_groups(r: Any) -> tuple[int | None, int | None]:
+    """(n_group, topk_group) a router holds (``num_group`` or ``n_group``; None when absent)."""
+    ng = r.__dict__.get("num_group")
+    ng = ng if ng is not None else r.__dict__.get("n_group")
+    tg = r.__dict__.get("topk_group")
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0      # noqa: E731
+    return (ng if ok(ng) else None), (tg if ok(tg) else None)
+
+
+def grouped_route(scores: Any, choice: Any, top_k: int, n_group: int, topk_group: int, group_score: str) -> Any:
+    """Top-k indices of a grouped router (DeepSeek-V2 group_limited_greedy, DeepSeek-V3 / GLM-4.5 /
+    dots1 noaux_tc), written as transformers writes it: group score = the top-2 sum (``"top2"``) or the
+    max (``"max"``) of ``choice`` within each of ``n_group`` equal groups; the ``topk_group`` best groups
+    kept (the other experts masked); ``torch.topk(sorted=False)`` of the masked choice."""
+    torch = _torch()
+    E = choice.shape[-1]
+    grouped = choice.view(-1, n_group, E // n_group)
+    gs = grouped.topk(2, dim=-1)[0].sum(-1) if group_score == "top2" else grouped.max(dim=-1).values
+    gidx = torch.topk(gs, k=topk_group, dim=-1, sorted=False)[1]
+    gmask = torch.zeros_like(gs).scatter_(1, gidx, 1)
+    smask = gmask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
+    fill = float("-inf") if group_score == "top2" else 0.0
+    return torch.topk(choice.masked_fill(~smask.bool(), fill), k=top_k, dim=-1, sorted=False)[1]
+
+
 def _router_candidates(r: Any, x: Any, wt: Any, bias: Any, facts: Mapping[str, Any]):
     """(name, extra facts, weights, indices) of each routing formula for ``r``'s attributes."""
     torch = _torch()
     logits = torch.nn.functional.linear(x, wt, bias)
     k = facts["top_k"]
+    E = logits.shape[-1]
+    sf = router_scaling(r)
+    scaled = {"scaling": sf} if sf != 1.0 else {}
     out = []
     probs = torch.softmax(logits, dim=-1)
     v, ix = torch.topk(probs, k, dim=-1)
-    out.append(("softmax_topk", {"norm_topk": False}, v, ix))
-    out.append(("softmax_topk", {"norm_topk": True}, v / v.sum(-1, keepdim=True), ix))
+    out.append(("softmax_topk", {"norm_topk": False, **scaled}, v * sf, ix))
+    out.append(("softmax_topk", {"norm_topk": True, **scaled}, v / v.sum(-1, keepdim=True) * sf, ix))
     v2, ix2 = torch.topk(logits, k, dim=-1)
     out.append(("topk_softmax", {"norm_topk": True}, torch.softmax(v2, dim=-1), ix2))
-    ng, tg = r.__dict__.get("num_group") or r.__dict__.get("n_group"), r.__dict__.get("topk_group")
+    ng, tg = router_groups(r)
     corr = getattr(r, "e_score_correction_bias", None)
-    if isinstance(ng, int) and isinstance(tg, int) and isinstance(corr, torch.Tensor):
-        E = logits.shape[-1]
-        scores = logits.sigmoid()
-        choice = scores + facts["_corr"]
-        gs = choice.view(-1, ng, E // ng).topk(min(2, E // ng), dim=-1)[0].sum(-1)
-        gidx = torch.topk(gs, k=tg, dim=-1, sorted=False)[1]
-        gmask = torch.zeros_like(gs).scatter_(1, gidx, 1)
-        smask = gmask.unsqueeze(-1).expand(-1, ng, E // ng).reshape(-1, E)
-        choice = choice.masked_fill(~smask.bool(), float("-inf"))
-        ix3 = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
-        w3 = scores.gather(1, ix3)
-        sf = float(r.__dict__.get("routed_scaling_factor", 1.0) or 1.0)
-        for norm in (True, False):
-            ww = w3 / (w3.sum(-1, keepdim=True) + 1e-20) if norm else w3
-            out.append(("sigmoid_grouped", {"norm_topk": norm, "n_group": ng, "topk_group": tg,
-                                            "scaling": sf}, ww * sf, ix3))
+    if isinstance(corr, torch.Tensor):
+        # DeepSeek-V3 / GLM-4.5 / dots1 (noaux_tc): sigmoid scores, the correction bias for the choice only,
+        # groups by their top-2 sum (one group when the router names none)
+        ng, tg = ng or 1, tg or ng or 1
+        if E % ng == 0 and E // ng >= 2 and tg <= ng:
+            scores = logits.sigmoid()
+            ix3 = grouped_route(scores, scores + facts["_corr"], k, ng, tg, "top2")
+            w3 = scores.gather(1, ix3)
+            for norm in (True, False):
+                ww = w3 / (w3.sum(-1, keepdim=True) + 1e-20) if norm else w3
+                out.append(("sigmoid_grouped", {"norm_topk": norm, "n_group": ng, "topk_group": tg,
+                                                "scaling": sf}, ww * sf, ix3))
+            # Kolibri1: the bias added to the logits for the choice (sigmoid is monotone, but the bias is not
+            # added after it), the weights the sigmoid of the chosen logits, renormalised without an epsilon
+            ix5 = grouped_route(logits, logits + facts["_corr"], k, ng, tg, "top2")
+            w5 = logits.gather(1, ix5).sigmoid()
+            for norm in (True, False):
+                ww = w5 / w5.sum(-1, keepdim=True) if norm else w5
+                out.append(("sigmoid_grouped", {"norm_topk": norm, "n_group": ng, "topk_group": tg, "scaling": sf,
+                                                "bias_on": "logits", "norm_eps": 0.0}, ww * sf, ix5))
+    elif (ng is not None and tg is not None and E % ng == 0 and tg < ng
+          and r.__dict__.get("topk_method") != "greedy"):
+        # DeepSeek-V2 group_limited_greedy: softmax scores, groups by their max, no renormalisation; tried
+        # first (an ungrouped softmax top-k can match a grouped router on the probe's tokens by chance)
+        ix4 = grouped_route(probs, probs, k, ng, tg, "max")
+        w4 = probs.gather(1, ix4)
+        out.insert(0, ("softmax_grouped", {"norm_topk": False, "n_group": ng, "topk_group": tg, "scaling": sf},
+                       w4 * sf, ix4))
     return out
 
 
@@ -864,9 +910,16 @@ def moe_block(m: Any) -> dict | None:
         facts["router_width"] = width
         return _moe_block_rest(m, fe, facts)
     E, h = fe["experts"], int(w.shape[1])
+    rf = router(r) if not isinstance(r, torch.nn.Linear) else None
+    if rf and rf["scoring"] != "unknown" and rf["experts"] == E and rf["top_k"] == int(k):
+        # the router is a Router: its probed routing is the block's (one probe, so inspect's two rows agree)
+        facts.update({a: rf[a] for a in ROUTER_ROUTING_FACTS if a in rf})
+        return _moe_block_rest(m, fe, facts)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(7, h, generator=g, dtype=torch.float64)
-    wt = torch.randn(E, h, generator=g, dtype=torch.float64)
+    # logits of unit scale: an unscaled [E, h] weight at h = 2048 gives logits ~45 whose softmax underflows
+    # to exact 0/1 ties (Qwen3-30B-A3B's block read "scoring=unknown")
+    wt = torch.randn(E, h, generator=g, dtype=torch.float64) / h ** 0.5
     params = {"weight": wt}
     b = r._parameters.get("bias")
     bt = None
@@ -910,18 +963,46 @@ def _moe_block_rest(m: Any, fe: Mapping[str, Any], facts: dict) -> dict:
 
 
 # ---- the router module (issue 24: fused_router) ---------------------------------------------------
-ROUTER_SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+ROUTER_SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "softmax_grouped", "unknown")
+# the facts that say how a router routes (shared by the Router and MoEBlock kinds)
+ROUTER_ROUTING_FACTS = ("scoring", "norm_topk", "n_group", "topk_group", "scaling", "bias_on", "norm_eps")
 ROUTER_ROLES = ("logits", "weights", "index")
 
 
-def router_reference(logits: Any, top_k: int, scoring: str, norm_topk: bool) -> tuple[Any, Any]:
+def router_reference(logits: Any, top_k: int, scoring: str, norm_topk: bool, *, bias: Any = None,
+                     n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
+                     norm_eps: float = 1e-20, bias_on: str = "scores") -> tuple[Any, Any]:
     """(top-k weights, top-k indices) of a router from its logits, in plain torch at the logits' precision
     (float64 in the tests): ``softmax_topk`` = softmax over all experts, the top-k of it, renormalised
-    over the k when ``norm_topk``; ``topk_softmax`` = the top-k logits, softmax over those k.  Indices
-    by descending logit, ties to the lower index (a stable sort: fused_router's rule; ``torch.topk``
-    breaks ties its own way, which differs between its CPU and GPU kernels -- tied experts have equal
-    weights, so only which of them is chosen can differ)."""
+    over the k when ``norm_topk``; ``topk_softmax`` = the top-k logits, softmax over those k;
+    ``sigmoid_grouped`` (DeepSeek-V3 / GLM-4.5 / dots1) = sigmoid scores s, the choice c = s + ``bias``,
+    groups ranked by the sum of their top-2 c, the best ``topk_group`` of ``n_group`` kept, the top-k of c
+    among them, weights s (renormalised with ``+ norm_eps`` when ``norm_topk``; ``bias_on="logits"``: the
+    bias added to the logits instead, Kolibri1's, with ``norm_eps`` 0); ``softmax_grouped``
+    (DeepSeek-V2 group_limited_greedy) = the same with softmax scores, groups ranked by their max, no
+    bias; every scoring times ``scaling``.  Indices by descending value (logit, or c), ties to the lower
+    index (a stable sort: fused_router's rule; ``torch.topk`` breaks ties its own way, which differs
+    between its CPU and GPU kernels -- tied experts have equal weights, so only which of them is chosen
+    can differ)."""
     torch = _torch()
+    if scoring in ("sigmoid_grouped", "softmax_grouped"):
+        s = logits.sigmoid() if scoring == "sigmoid_grouped" else torch.softmax(logits, dim=-1)
+        base = logits if bias_on == "logits" else s
+        c = base + bias.to(s.dtype) if bias is not None else base
+        E = logits.shape[-1]
+        if topk_group < n_group:
+            grouped = c.reshape(*c.shape[:-1], n_group, E // n_group)
+            gv = torch.sort(grouped, dim=-1, descending=True)[0]
+            gs = gv[..., :2].sum(-1) if scoring == "sigmoid_grouped" else gv[..., 0]
+            gix = torch.sort(gs, dim=-1, descending=True, stable=True)[1][..., :topk_group]
+            keep = torch.zeros_like(gs, dtype=torch.bool).scatter(-1, gix, True)
+            keep = keep.unsqueeze(-1).expand(*gs.shape, E // n_group).reshape(c.shape)
+            c = c.masked_fill(~keep, float("-inf"))
+        ix = torch.sort(c, dim=-1, descending=True, stable=True)[1][..., :top_k]
+        w = s.gather(-1, ix)
+        if norm_topk:
+            w = w / (w.sum(-1, keepdim=True) + norm_eps)
+        return w * scaling, ix
     v, ix = torch.sort(logits, dim=-1, descending=True, stable=True)
     v, ix = v[..., :top_k], ix[..., :top_k]
     if scoring == "softmax_topk":
@@ -932,13 +1013,59 @@ def router_reference(logits: Any, top_k: int, scoring: str, norm_topk: bool) -> 
         w = torch.softmax(v, dim=-1)
     else:
         raise ValueError(f"router_reference: no reference for scoring {scoring!r}")
-    return w, ix
+    return w * scaling, ix
+
+
+def router_holds(m: Any) -> str:
+    """What a router holds that bears on its routing, for a refusal: its routing attributes (top_k,
+    norm_topk_prob, routed_scaling_factor, n_group / topk_group, topk_method, a score-correction bias,
+    ...) as ``name=value``."""
+    torch = _torch()
+    held = []
+    for a in ("top_k", "norm_topk_prob", "routed_scaling_factor", "num_group", "n_group", "topk_group",
+              "topk_method", "scoring_func", "score_func", "router_jitter_noise", "jitter_noise"):
+        v = m.__dict__.get(a)
+        if isinstance(v, (bool, int, float, str)):
+            held.append(f"{a}={v}")
+    for a in ("e_score_correction_bias", "expert_bias"):
+        t = getattr(m, a, None)
+        if isinstance(t, torch.Tensor):
+            held.append(f"{a} {list(t.shape)}")
+    return ", ".join(held) or "no routing attributes"
+
+
+def _router_flattens(m: Any, wt: Any, bt: Any, corr: Any, x: Any, r32: Any) -> bool:
+    """Whether ``m``'s forward takes a [batch, seq, hidden] input as its [batch * seq, hidden] rows
+    (``hidden_states.view(-1, hidden_dim)``: DeepSeek-V3's block hands the router the 3-D states)."""
+    torch = _torch()
+    params = {"weight": wt}
+    if bt is not None:
+        params["bias"] = bt
+    clone = stand_in(m, **params)
+    if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor):
+        clone._buffers["e_score_correction_bias"] = corr.clone()
+    try:
+        with torch.no_grad():
+            out = type(m).forward(clone, x.view(3, 3, -1))
+    except Exception:
+        return False
+    return _same_outputs(out, r32)
+
+
+def _same_outputs(out: Any, r32: Any) -> bool:
+    torch = _torch()
+    order = r32[3].split("_")
+    ref = {"logits": r32[0], "weights": r32[1], "index": r32[2]}
+    return (isinstance(out, tuple) and len(out) == 3
+            and all(isinstance(t, torch.Tensor) and t.shape == ref[n].shape and torch.equal(t, ref[n])
+                    for t, n in zip(out, order)))
 
 
 @kind("Router", "a mixture-of-experts router: a [experts, hidden] weight (optional bias) and a top_k, "
       "forward(hidden) -> router logits, top-k weights, top-k indices (in any order); scoring (softmax then "
-      "top-k with or without renormalising, top-k then softmax, DeepSeek-V3's sigmoid grouped top-k) and "
-      "output dtypes probed")
+      "top-k with or without renormalising, top-k then softmax, DeepSeek-V2's group-limited softmax, DeepSeek-V3 "
+      "/ GLM-4.5's sigmoid grouped top-k with score-correction bias; unknown otherwise), groups, routed "
+      "scaling and output dtypes probed")
 def router(m: Any) -> dict | None:
     torch = _torch()
     k = m.__dict__.get("top_k")
@@ -992,7 +1119,8 @@ def router(m: Any) -> dict | None:
     if r32 is None or rb is None or r32[3] != rb[3]:
         return None
     facts: dict[str, Any] = {"experts": E, "hidden": H, "top_k": int(k), "bias": b is not None, "order": r32[3],
-                             "scoring": None, "norm_topk": None, "_corr": corr.double()}
+                             "scoring": None, "norm_topk": None, "_corr": corr.double(),
+                             "flattens": _router_flattens(m, wt, bt, corr, x, r32)}
     ow, oi = r32[1], r32[2]
     for name, extra, cw, ci in _router_candidates(m, x.double(), wt.double(), bt.double() if bt is not None else None,
                                                   facts):
@@ -1004,7 +1132,9 @@ def router(m: Any) -> dict | None:
                 break
     facts.pop("_corr")
     if facts["scoring"] is None:
-        return None
+        # a router by structure whose weights no formula above gives: a Router of scoring "unknown", so a
+        # rule naming it is refused with what it holds (fused_router's misfit) rather than fitting no kind
+        facts.update(scoring="unknown", routing=router_holds(m))
     lb, wb = rb[0], rb[1]
     # dtypes (bf16 probe): the logits in the input dtype or float32 (and computed in which), the weights
     # in the logits' dtype (Qwen3-MoE: .to(router_logits.dtype)), float32 (Mixtral) or the input's (GraniteMoe)
@@ -1030,13 +1160,33 @@ KIND_NEEDS = {
                   "with a rotary embedding), a config, head_dim and head counts"),
     "CausalLM": "attributes model (or the base model under its base_model_prefix: transformer, gpt_neox ...), lm_head and config",
     "DecoderLayer": "children input_layernorm, self_attn, post_attention_layernorm and mlp",
+    "Router": ("a 2-D [experts, hidden] weight (optional bias), an int top_k, no children, and a "
+               "forward(hidden_states) of the hidden states alone returning router logits, top-k weights and "
+               "top-k indices"),
 }
+
+
+MLA_CHILDREN = ("kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def mla_misfit(children: Any) -> str:
+    """Why a multi-head latent attention module (DeepSeek-V2/V3, Kimi-K2: ``kv_a_proj_with_mqa`` /
+    ``kv_b_proj``, optional ``q_a_proj`` / ``q_b_proj``) fits no Attention op ("" when it is not one)."""
+    ch = set(children)
+    if not all(c in ch for c in MLA_CHILDREN):
+        return ""
+    q = "q_a_proj/q_b_proj" if "q_a_proj" in ch else "q_proj"
+    return (f"multi-head latent attention: RoPE on a decoupled qk_rope_head_dim slice of each q head and of one k "
+            f"slice shared by the heads (kv_a_proj_with_mqa), after low-rank projections ({q}, kv_b_proj); no "
+            "Attention op computes it (fused_rope and fused_qk_norm_rope rotate whole q/k heads of q/k/v_proj)")
 
 
 def kind_misses(kind: str, children: tuple) -> str:
     """What of ``KIND_NEEDS[kind]`` a module with these children lacks, read off the names alone ("" if
     its children look right: then its forward or sizes differ)."""
     ch = set(children)
+    if kind == "Attention" and mla_misfit(ch):
+        return ", ".join(n for n in ("q_proj", "k_proj", "v_proj") if n not in ch) + ": it is " + mla_misfit(ch)
     if kind == "Attention":
         other = sorted(ch & {"dense", "out_proj"})
         miss = ([] if "o_proj" in ch else

@@ -78,11 +78,18 @@ VARIANTS = {
                                       num_experts_per_tok=2, moe_intermediate_size=512,
                                       shared_expert_intermediate_size=512, num_attention_heads=16,
                                       num_key_value_heads=2, head_dim=256, vocab_size=4096, use_cache=False)),
+    # deepseek-ai/DeepSeek-V3's router widths (256 experts in 8 groups, 4 kept, top 8; issue 37): the sigmoid
+    # grouped top-k with the score-correction bias (fused_router); the rest of the layer cut down
+    "deepseek_v3": ("deepseek_v3", dict(hidden_size=1024, moe_intermediate_size=256, intermediate_size=1024,
+                                        n_routed_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8,
+                                        n_shared_experts=1, first_k_dense_replace=0, num_attention_heads=8,
+                                        num_key_value_heads=8, kv_lora_rank=128, q_lora_rank=256,
+                                        qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, vocab_size=4096)),
 }
 
 # Variants that exist for a few ops compile only those (the other ops' kernels are compiled on the variants
 # above; a Qwen3-Next layer with every op installed costs minutes of CPU in its torch delta-rule fallback).
-VARIANT_OPS = {"qwen3_next": ("fused_rmsnorm_gated",)}
+VARIANT_OPS = {"qwen3_next": ("fused_rmsnorm_gated",), "deepseek_v3": ("fused_router",)}
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 PTR = {"torch.float32": "*fp32", "torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.int64": "*i64",

@@ -18,7 +18,7 @@ from .cuda_compile import VARIANT_OPS, VARIANTS, accepted_sites, build_model, co
 # compiled-in modes) are compiled with each family's first dtype.
 DTYPES = {"qwen3": ["bf16", "fp32", "fp16"], "gemma3": ["bf16"], "phi3": ["bf16"], "stablelm": ["bf16"],
           "qwen3_moe": ["bf16"], "gpt_oss": ["bf16"], "starcoder2": ["bf16"], "glm4": ["bf16"],
-          "qwen3_next": ["bf16"]}
+          "qwen3_next": ["bf16"], "deepseek_v3": ["bf16"]}
 CASES = [(v, dt) for v in VARIANTS for dt in DTYPES[v]]
 
 

@@ -9,6 +9,7 @@ logits dtype and the three weight dtypes the modules ask for.
 """
 
 import copy
+import re
 
 import pytest
 import torch
@@ -158,12 +159,17 @@ def test_the_patched_router_returns_what_the_module_returns(family, dtype):
     assert "forward" not in r.__dict__
 
 
-def test_other_calls_run_the_modules_own_forward():
-    """A 3-D input (transformers' blocks reshape to 2-D before the router) runs the module's own forward."""
+def test_a_3d_input_is_routed_by_the_kernel_as_the_module_flattens_it():
+    """A [batch, seq, hidden] input (DeepSeek-V3's block hands its router the 3-D states; Qwen3-MoE's
+    router reshapes them too): the patched forward routes its rows through the kernel as the module's
+    own forward does (probed: ``flattens``), not through the module's own forward."""
     r, r0, _ = _patched("qwen3_moe")
-    x = torch.randn(2, 5, r.weight.shape[1], device=DEVICE)
-    for u, v in zip(r(x), r0(x)):
-        assert torch.equal(u, v)
+    x = torch.randn(2, 5, r.weight.shape[1], device=DEVICE, requires_grad=True)
+    a, b = r(x), r0(x)
+    assert [t.shape for t in a] == [t.shape for t in b] == [(10, 4), (10, 2), (10, 2)]
+    assert torch.equal(a[2], b[2])
+    assert_close(a[1], b[1], "fp32", "3-D top-k weights")
+    assert "RouterFunction" in type(a[1].grad_fn).__name__, type(a[1].grad_fn).__name__
 
 
 def test_under_autocast_the_dtypes_follow_the_module():
@@ -177,17 +183,70 @@ def test_under_autocast_the_dtypes_follow_the_module():
     assert torch.equal(a[2], b[2])
 
 
-def test_deepseek_v3_grouped_routing_is_refused_with_the_reason():
+# routings fused_router does not compute: refused at plan time, naming the module, what it has and what
+# the op computes: (family, config overrides, what the error must say)
+PLAN_REFUSALS = {
+    "top_k beyond the kept groups": (
+        "deepseek_v3", dict(n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3),
+        r"model\.layers\.0\.mlp\.gate \(DeepseekV3TopkRouter\): its top_k=3 is more than the 2 experts of the "
+        r"topk_group=1 kept groups .*; fused_router computes top_k <= topk_group x experts per group; not patched"),
+    "a router whose forward takes the bias (MiniMax-M2)": (
+        "minimax_m2", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, bos_token_id=None,
+                           eos_token_id=None),
+        r"matched 1 module\(s\) \(MiniMaxM2TopKRouter\) but none is Router that fused_router can replace(.|\n)*"
+        r"Router needs .*forward\(hidden_states\) of the hidden states alone"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_REFUSALS))
+def test_routings_it_does_not_compute_are_refused_at_plan_time(case):
+    from transformers import AutoModelForCausalLM
+
     from patchdsl import plan
     from patchdsl.syntax.errors import SpecError
+
+    from ..moe_families import COMMON, MOE_FAMILIES, tiny_moe_model
+    from ..families import config_for
+
+    family, over, message = PLAN_REFUSALS[case]
+    if family in MOE_FAMILIES:
+        model = tiny_moe_model(family, **over)
+    else:
+        model = AutoModelForCausalLM.from_config(config_for(family, COMMON, over))
+    for rule in ("*.mlp.gate: Router -> fused_router\n", "optional *.mlp.gate: Router -> fused_router\n"):
+        if rule.startswith("optional") and "none is Router" in message:
+            continue                 # an optional rule fitting no module is no error
+        with pytest.raises(SpecError) as e:
+            plan(rule, model, target=TARGET)
+        text = str(e.value) + " " + str(getattr(e.value, "hint", "") or "")
+        assert re.search(message, text), text
+
+
+# a router changed after planning: refused at apply (the router keeps its own forward), naming what changed
+APPLY_REFUSALS = {
+    "routed scaling factor": (lambda g: setattr(g, "routed_scaling_factor", 3.0), "Router scaling: plan 2.5, module 3.0"),
+    "groups kept": (lambda g: setattr(g, "topk_group", 2), "Router topk_group: plan 1, module 2"),
+    "renormalisation": (lambda g: setattr(g, "norm_topk_prob", False), "Router norm_topk: plan true, module false"),
+    "correction bias shape": (lambda g: setattr(g, "e_score_correction_bias", torch.zeros(5)),
+                              "its e_score_correction_bias is (5,), fused_router's sigmoid grouped top-k needs a [4]"),
+}
+
+
+@pytest.mark.parametrize("case", list(APPLY_REFUSALS))
+def test_a_deepseek_router_changed_after_planning_is_refused_at_apply(case):
+    from patchdsl import apply, plan
 
     from ..moe_families import tiny_moe_model
 
     model = tiny_moe_model("deepseek_v3")
-    for rule in ("*.mlp.gate: Router -> fused_router\n", "optional *.mlp.gate: Router -> fused_router\n"):
-        with pytest.raises(SpecError, match=r"1:\d+: error: model.layers.0.mlp.gate \(DeepseekV3TopkRouter\): its "
-                           "routing is DeepSeek-V3's sigmoid grouped top-k"):
-            plan(rule, model, target=TARGET)
+    p = plan("*.mlp.gate: Router -> fused_router\n", model, target=TARGET)
+    gate = model.model.layers[0].mlp.gate
+    change, message = APPLY_REFUSALS[case]
+    change(gate)
+    h = apply(p, model, target=TARGET)
+    assert h.refused and "refused fused_router on model.layers.0.mlp.gate" in str(h.refused[0]), h.refused
+    assert message in str(h.refused[0]), h.refused
+    assert "forward" not in gate.__dict__
 
 
 def test_a_router_changed_after_planning_is_refused_at_apply():
@@ -216,14 +275,45 @@ def test_a_module_that_is_not_a_router_is_not_one():
         def forward(self, x):
             return torch.nn.functional.linear(x, self.weight)
 
-    class Sorted(Scores):                    # three outputs, but its weights are not a known scoring
-        def forward(self, x):
-            lg = torch.nn.functional.linear(x, self.weight)
-            v, i = torch.topk(lg, 2)
-            return lg, torch.sigmoid(v), i
-
-    assert router(Scores()) is None and router(Sorted()) is None
+    assert router(Scores()) is None
     assert router(torch.nn.Linear(8, 4)) is None
+
+
+class _SigmoidOfTopLogits(torch.nn.Module):
+    """A router by structure (weight, top_k, forward -> logits, weights, indices) whose weights are the
+    sigmoid of the top-k logits, renormalised: a routing no probed formula gives."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k = 2
+        self.routed_scaling_factor = 1.0
+        self.weight = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        lg = torch.nn.functional.linear(x, self.weight)
+        v, i = torch.topk(lg, 2)
+        return lg, torch.sigmoid(v), i
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, gate):
+        super().__init__()
+        self.gate = gate
+
+
+def test_a_router_of_unknown_routing_is_a_router_refused_with_what_it_holds():
+    """Three outputs and a top_k, but weights of no probed formula: a Router of scoring "unknown" whose
+    rule is refused at plan time naming the module, what it holds and what fused_router computes."""
+    from patchdsl import plan
+    from patchdsl.ops.kinds import router
+    from patchdsl.syntax.errors import SpecError
+
+    f = router(_SigmoidOfTopLogits())
+    assert f is not None and f["scoring"] == "unknown" and "top_k=2" in f["routing"]
+    with pytest.raises(SpecError, match=r"gate \(_SigmoidOfTopLogits\): its top-k weights are none of the "
+                       r"routings probed \(it holds top_k=2, routed_scaling_factor=1.0\); fused_router computes "
+                       r"softmax top-k"):
+        plan("gate: Router -> fused_router\n", _Holder(_SigmoidOfTopLogits()), target=TARGET)
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU harness test (the GPU runs bench/gpu_all.sh part moe_router)")
@@ -246,3 +336,43 @@ def test_moe_router_bench_cpu_dry_run(tmp_path, capsys):
     assert {"module", "fused", "matmul", "aux loss"} <= set(data["rows"][0]["ms"])
     assert all(r["differing_sets_are_exact_ties"] and r["grad_x_rel_fro"] < 1e-2 for r in data["rows"])
     assert (tmp_path / "moe_router.txt").read_text().strip().splitlines()[-1] == out[-1]
+
+
+# every branch of the plan-time refusal, on facts (the ones no transformers router reaches are defensive:
+# a forward that cannot view its experts as equal groups fails the Router probe before)
+BASE = {"experts": 8, "top_k": 2, "scoring": "sigmoid_grouped", "n_group": 4, "topk_group": 2}
+MISFITS = [
+    ({**BASE, "scoring": "unknown", "routing": "top_k=2, foo=1"},
+     r"its top-k weights are none of the routings probed \(it holds top_k=2, foo=1\); fused_router computes"),
+    ({**BASE, "scoring": "topk_softmax"}, r"its routing is top-k of the logits then a softmax over the k; fused_router"),
+    ({**BASE, "n_group": 3}, r"its 8 experts in n_group=3 groups with topk_group=2 are not equal groups"),
+    ({**BASE, "topk_group": 5}, r"are not equal groups of which some are kept"),
+    ({**BASE, "n_group": 8, "topk_group": 4}, r"its groups of 1 expert rank by a top-2 sum"),
+    ({**BASE, "topk_group": 1, "top_k": 3}, r"its top_k=3 is more than the 2 experts of the topk_group=1 kept groups"),
+    ({**BASE, "scoring": "softmax_grouped", "n_group": 8, "topk_group": 1, "top_k": 2},
+     r"its top_k=2 is more than the 1 experts of the topk_group=1 kept groups"),
+]
+
+
+@pytest.mark.parametrize("facts,message", MISFITS, ids=[f"{f['scoring']}-{i}" for i, (f, _) in enumerate(MISFITS)])
+def test_every_routing_refusal_says_what_it_has_and_what_the_op_computes(facts, message):
+    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.ops.registry import get_op
+
+    op = get_op(OP)
+    why = op.misfit(ModuleInfo("model.layers.0.mlp.gate", "SomeRouter", (), {"Router": facts}), None)
+    assert why and why.startswith("model.layers.0.mlp.gate (SomeRouter): ") and re.search(message, why), why
+    assert why.endswith("not patched (the router stays the model's own)")
+    with pytest.raises(ValueError, match="fused_router: model.layers.0.mlp.gate"):     # never a kernel for it
+        op.key_params(ModuleInfo("model.layers.0.mlp.gate", "SomeRouter", (), {"Router": facts}), op.default_flags(),
+                      "fp32", TARGET)
+
+
+def test_the_routings_it_computes_are_no_misfit():
+    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.ops.registry import get_op
+
+    op = get_op(OP)
+    for facts in (BASE, {**BASE, "n_group": 1, "topk_group": 1}, {**BASE, "scoring": "softmax_grouped"},
+                  {"experts": 8, "top_k": 2, "scoring": "softmax_topk"}):
+        assert op.misfit(ModuleInfo("g", "R", (), {"Router": facts}), None) is None, facts
