@@ -7,7 +7,7 @@
     python3 bench/compile_check.py --device cpu --dtype fp32 --tiny --backend aot_eager --batch 2 --seq 8 \
         --steps 1 --warmup 1
 
-Builds the model from patchdsl/models/configs (random weights, seed 0, bf16, sdpa), patches it with
+Builds the model from patchdsl/model/configs (random weights, seed 0, bf16, sdpa), patches it with
 the spec, and trains the same batches with AdamW twice, each in a fresh process:
 
 * ``eager``:   the patched model as it is;

@@ -52,7 +52,7 @@ X_PIECES = ("quant x rows", "quant x cols^T")      # per input: counted once per
 
 def kernel_module(k, n, tiny):
     from patchdsl.codegen import KernelKey, load_kernel
-    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.model.info import ModuleInfo
     from patchdsl.ops.registry import get_op
 
     op = get_op("fp8_linear")

@@ -189,8 +189,8 @@ def run_ops(budget: float) -> list[dict]:
     try:
         from patchdsl.codegen.cache import load_kernel
         from patchdsl.codegen.keys import KernelKey
-        from patchdsl.ops.base import ModuleInfo
-        from patchdsl.ops.kinds import experts as recognise
+        from patchdsl.model.info import ModuleInfo
+        from patchdsl.model.kinds.experts import experts as recognise
         from patchdsl.ops.registry import get_op
 
         op = get_op("fused_experts")

@@ -150,7 +150,7 @@ def compare(out: dict, ref: dict, tol: dict) -> list[dict]:
 # ------------------------------------------------------------------------------ peers: the head's log-probs
 def patchdsl_kernels(vocab: int, hidden: int, dtype: str, dev: torch.device):
     from patchdsl.codegen import KernelKey, load_kernel
-    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.model.info import ModuleInfo
     from patchdsl.ops.registry import get_op
 
     op = get_op("fused_linear_logprobs")
@@ -389,7 +389,7 @@ def recipe(S: dict, dev: torch.device, tiny: bool, out_dir: Path, clock: Clock) 
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
     from patchdsl.posttrain import patch_trainer
 
     dt = DTYPES[S["dtype"]]

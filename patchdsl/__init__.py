@@ -87,6 +87,6 @@ def suggest(model, **kwargs):
 
 def inspect_model(model, **kwargs):
     """``model``'s modules with their structural kinds and facts, repeated layers folded (the JSON of
-    ``patchdsl inspect``; see :mod:`patchdsl.inspection`)."""
-    from .inspection import inspect_model as _inspect
+    ``patchdsl inspect``; see :mod:`patchdsl.model.inspection`)."""
+    from .model.inspection import inspect_model as _inspect
     return _inspect(model, **kwargs)

@@ -10,7 +10,7 @@ no image batch runs is run on text alone; its vision modules are left out with t
     patchdsl census ...                            # the same
 
 Per family: a tiny config (the family's default config shrunk by
-:func:`patchdsl.models.loading.tiny_config`: 2 layers, hidden 64-160, vocabulary 512), the model
+:func:`patchdsl.model.loading.tiny_config`: 2 layers, hidden 64-160, vocabulary 512), the model
 built in fp32 on the CPU with random weights, :func:`patchdsl.suggestion.suggest` (which plans every
 rule it keeps; modules that one forward of the model does not call are left out, as verify could not
 judge them), and :func:`patchdsl.verify` of the suggestion in fp32 (batch 1 x 8 tokens).  A
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from .models.shrink import _tiny, shrink_composite  # noqa: F401  (shrink_composite: re-exported)
+from .model.shrink import _tiny, shrink_composite  # noqa: F401  (shrink_composite: re-exported)
 
 COLUMNS = ("norms", "attention", "mlp", "loss")
 HEADER = ("family", "model class", "norms", "MLPs", "attention", "loss", "verify", "not covered")
@@ -113,7 +113,7 @@ def tiny_family_config(model_type: str):
     """The family's default config, shrunk (raises when the family has no config that shrinks)."""
     from transformers import AutoConfig
 
-    from .models.loading import tiny_config
+    from .model.loading import tiny_config
 
     cfg = AutoConfig.for_model(model_type)
     if getattr(cfg, "text_config", None) is not None and hasattr(cfg.text_config, "to_dict"):
@@ -276,7 +276,7 @@ def image_batch_check(config) -> tuple[bool | None, str]:
     import copy
     import warnings
 
-    from .models.loading import tiny_config
+    from .model.loading import tiny_config
 
     with quiet():
         try:

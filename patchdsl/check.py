@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .ops.base import FlagTypeError, Op
-from .ops.registry import KIND_NAMES, get_op, ops
+from .model.kinds import KIND_NAMES
+from .ops.registry import get_op, ops
 from .syntax.ast import Arg, Flag, Rule, Span, Spec
 from .syntax.errors import SpecError, did_you_mean
 from .syntax.parser import BAD_VALUE

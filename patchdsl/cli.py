@@ -179,7 +179,7 @@ def _default_dtype(device: str) -> str:
 
 def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str = "cpu", log=None, tiny=False,
                 seed: int = 0):
-    from .models import ModelLoadError, load_model
+    from .model import ModelLoadError, load_model
 
     try:
         return load_model(model, meta=meta, dtype=dtype, device=device, log=log or (lambda m: click.echo(m, err=True)),
@@ -613,7 +613,7 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
         except MappingError as e:
             raise UsageFailure(f"{kernel_mapping}: {e}") from None
         return
-    from .index import build_index
+    from .model.index import build_index
     from .integrations.liger import parse_liger_argument, translate_liger
 
     use, cfg = parse_liger_argument(liger)
@@ -633,8 +633,8 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
 @json_option
 def inspect_cmd(model: str, everything: bool, no_fold: bool, as_json: bool) -> None:
     """List a model's modules with their structural kinds and facts (sizes, eps, offset, activation, rotary)."""
-    from .index import build_index
-    from .inspection import inspect_model, render
+    from .model.index import build_index
+    from .model.inspection import inspect_model, render
 
     loaded = _load_model(model, meta=True, log=lambda m: None)
     index = build_index(loaded.model)

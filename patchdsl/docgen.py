@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .ops.registry import kind_docs, ops
+from .model.kinds import KIND_DOCS
+from .ops.registry import ops
 
 
 def _v(v) -> str:
@@ -18,7 +19,7 @@ def _v(v) -> str:
 def render_ops_md() -> str:
     lines = ["# Ops", "", "Generated from the op registry by `python -m patchdsl.docgen`; do not edit by hand.", "",
              "## Structural kinds", "", "| kind | recognised as |", "|---|---|"]
-    for name, doc in kind_docs().items():
+    for name, doc in KIND_DOCS.items():
         lines.append(f"| `{name}` | {doc} |")
     for op in ops().values():
         lines += ["", f"## `{op.name}`", "", op.doc.strip(), "",

@@ -25,10 +25,10 @@ from typing import Any, Callable, Mapping
 from .check import CheckedSpec, check_spec
 from .codegen.keys import KernelKey
 from .codegen.render import CodegenError, validate_key
-from .index import ModelIndex, build_index
+from .model.index import ModelIndex, build_index
 from .ops.attention_impl import KNOWN as KNOWN_ATTENTION
 from .ops.attention_impl import AttentionChoice, attention_problem, choose_attention
-from .ops.base import ModuleInfo
+from .model.info import ModuleInfo
 from .ops.registry import get_op
 from .select import dead_members, explain_dead_member, explain_misfits, explain_no_match, select_all
 from .syntax.ast import Spec
@@ -413,7 +413,7 @@ def plan(spec: Spec | str, model: Any, *, target: str | None = None,
 def check_site(op: Any, module: Any, host: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
     """Why ``op`` cannot patch ``module`` (hosted on ``host``), or None.  The one check that both
     ``plan`` (on the meta-device model) and ``apply`` (on the live one) run."""
-    from .ops.kinds import unwrap
+    from .model.modules import unwrap
 
     reason = op.check(unwrap(module), info, flags)
     if reason is None and host is not None and host is not module:
@@ -425,7 +425,7 @@ def check_site(op: Any, module: Any, host: Any, info: ModuleInfo, flags: Mapping
 def _check_key(op: Any, module: Any, host: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str:
     """Memo key for :func:`check_site` at plan time: the checks look at classes and the structure
     the index recorded, so layers of one class with equal facts and flags get one answer."""
-    from .ops.kinds import unwrap
+    from .model.modules import unwrap
 
     def shape(m):
         m = unwrap(m)
@@ -545,7 +545,7 @@ def check_fact(name: str, v: Any, where: str, depth: int = 0) -> Any:
 
 
 def _module_info(path: str, m: Any) -> ModuleInfo:
-    from .ops.registry import KIND_NAMES
+    from .model.kinds import KIND_NAMES
 
     where = f"modules[{path!r}]"
     m = _obj(m, where)

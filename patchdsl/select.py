@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .index import ModelIndex
-from .ops.base import ModuleInfo, Op
-from .ops.registry import KIND_NAMES
+from .model.index import ModelIndex
+from .model.info import ModuleInfo
+from .ops.base import Op
+from .model.kinds import KIND_NAMES
 from .syntax.ast import Rule
 from .syntax.errors import SpecError, did_you_mean
 from .syntax.selectors import _RANGE, _split_top, class_glob_regex, compile_selector
@@ -77,7 +78,7 @@ def explain_misfits(rule: Rule, op: Op, misfits: list[tuple[Match, str]], n_fit:
     sel = ", ".join(("!" if s.negated else "") + s.text for s in rule.selectors)
     why0 = misfits[0][1]
     if "no causal LM holds" in why0:
-        from .ops.kinds import KIND_NEEDS
+        from .model.kinds.misses import KIND_NEEDS
 
         hint = (f"{index.model_class if index is not None else 'the model'} is not recognised as a causal LM (the CausalLM kind needs "
                 f"{KIND_NEEDS['CausalLM']}), so no loss op can replace its lm_head: leave the loss unfused "
@@ -229,7 +230,7 @@ def explain_dead_member(rule: Rule, op: Op, index: ModelIndex, selector, member:
 
 def _kind_hint(pat, op: Op, infos) -> str | None:
     """Why modules fit none of the rule's kinds, from their structure (what the kind needs, what they lack)."""
-    from .ops.kinds import KIND_NEEDS, kind_misses
+    from .model.kinds.misses import KIND_NEEDS, kind_misses
 
     kinds = [a for a in pat.alternatives if a in KIND_NAMES] or list(op.kinds)
     i = infos[0]

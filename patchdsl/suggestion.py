@@ -26,8 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .index import ModelIndex, build_index
-from .inspection import fold_paths
+from .model.index import ModelIndex, build_index
+from .model.inspection import fold_paths
 from .syntax.errors import SpecError
 
 
@@ -141,7 +141,7 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
             return _moe_reason(named)
         lin = [n for n, c in named.items() if isinstance(c, torch.nn.Linear)]
         if module is not None and "gate_proj" not in named and "gate_up_proj" not in named:
-            from .ops.kinds import mlp_probe
+            from .model.kinds.mlp import mlp_probe
             _, why = mlp_probe(module)
             if "projection pair" not in why:
                 return f"an MLP fused_mlp does not take: {why}"
@@ -184,8 +184,9 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
 
 
 def _act_name(act: Any) -> str | None:
-    """The name of an MLP activation module/function, as :data:`ops.kinds.MLP_ACTIVATIONS` knows it (None else)."""
-    from .ops.kinds import MLP_ACTIVATIONS, mlp_activation_reference
+    """The name of an MLP activation module/function, as :data:`model.kinds.mlp.MLP_ACTIVATIONS` knows it (None else)."""
+    from .model.kinds.mlp import MLP_ACTIVATIONS
+    from .model.reference import mlp_activation_reference
 
     if act is None or not callable(act):
         return None
@@ -203,7 +204,7 @@ def _act_name(act: Any) -> str | None:
 
 def _moe_reason(named: dict) -> str:
     """Why a mixture-of-experts block is not a MoEBlock: its experts' structural misfit, else its router's."""
-    from .ops.kinds import experts_misfit
+    from .model.kinds.experts import experts_misfit
 
     ex = named.get("experts")
     if ex is not None:
@@ -440,7 +441,7 @@ def vision_modules(model: Any, why: str | None = None) -> dict[str, str]:
     cfg = getattr(model, "config", None)
     if getattr(cfg, "vision_config", None) is None:
         return {}
-    from .ops.common import decoder_layers
+    from .model.modules import decoder_layers
 
     found = decoder_layers(model)
     if found is None:

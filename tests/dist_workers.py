@@ -30,7 +30,7 @@ MODEL = "Qwen/Qwen3-0.6B"
 def tiny(seed: int = 0):
     import torch
 
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
     m = load_model(MODEL, dtype=torch.float32, device="cpu", weights=False, tiny=True, seed=seed,
                    attn_implementation="sdpa", log=None).model

@@ -424,7 +424,7 @@ def test_bench_spec_variants_plan_on_their_family(spec):
     """The spec variants in bench/specs/ plan on their family with every rule matching (meta model)."""
     import patchdsl
     from patchdsl.bench.e2e import filtered_spec
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
     fam = {"qwen3": "Qwen/Qwen3-0.6B", "llama": "meta-llama/Llama-3.2-1B"}[spec.split("_")[0]]
     model = load_model(fam, meta=True, log=None).model
@@ -489,7 +489,7 @@ def test_bench_llama_fused_head_is_the_shipped_spec_with_a_fused_head():
     Llama spec's sites, the LM head in mode=fused (no logits chunk) instead of chunk=auto."""
     import patchdsl
     from patchdsl.bench.e2e import filtered_spec
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
     model = load_model("meta-llama/Llama-3.1-8B", meta=True, log=None).model
     plans = {}

@@ -20,7 +20,7 @@ from jinja2 import nodes
 from patchdsl.codegen import KernelKey, cache as cache_mod, render
 from patchdsl.codegen.cache import CacheError, CacheWarning, check_text, file_text, load_kernel, write_kernel
 from patchdsl.codegen.render import CodegenError, _env, literal
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.resources import templates_dir
 

@@ -12,7 +12,7 @@ from patchdsl.codegen import KernelKey, load_kernel, render, write_kernel
 from patchdsl.codegen import cache as cache_mod
 from patchdsl.codegen.cache import file_text
 from patchdsl.codegen.keys import content_hash
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 

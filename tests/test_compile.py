@@ -199,7 +199,7 @@ def test_op_names_unique_per_specialisation_and_registration_idempotent():
 
     from patchdsl.codegen import KernelKey, load_kernel, write_kernel
     from patchdsl.ops.registry import get_op
-    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.model.info import ModuleInfo
 
     op = get_op("fused_rmsnorm")
     info = ModuleInfo("norm", "RMSNorm", (), {"RMSNorm": {"hidden": 32, "eps": 1e-6, "offset": 0.0, "casting": "llama"}},

@@ -60,7 +60,7 @@ def qwen3_index():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from patchdsl.index import build_index
+    from patchdsl.model.index import build_index
 
     cfg = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)

@@ -27,7 +27,7 @@ def test_every_op_module_registers_an_op_with_a_template():
 
 def test_language_doc_mentions_every_op_and_kind():
     text = (ROOT / "docs" / "language.md").read_text()
-    from patchdsl.ops.registry import KIND_NAMES
+    from patchdsl.model.kinds import KIND_NAMES
 
     for k in KIND_NAMES:
         assert f"`{k}`" in text, k

@@ -303,9 +303,9 @@ def test_codegen_files_are_readable_like_any_file_the_user_writes(tmp_path):
 
 
 def test_tiny_never_grows_a_users_config_and_says_what_it_shrank(tmp_path):
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
-    cfg = json.loads((ROOT / "patchdsl/models/configs/Qwen__Qwen3-0.6B.json").read_text())
+    cfg = json.loads((ROOT / "patchdsl/model/configs/Qwen__Qwen3-0.6B.json").read_text())
     cfg.update(vocab_size=300, num_hidden_layers=1)
     cfg.pop("layer_types", None)
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -22,7 +22,7 @@ import torch
 
 import patchdsl
 from patchdsl.ops import fp8_linear as fp8op
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.syntax import SpecError
 
@@ -383,7 +383,7 @@ def test_bench_fp8_spec_plans_every_projection_of_the_real_shapes(gpu, family, s
     projection's dimensions are multiples of 16, so each of the 7 per layer is an fp8 site of the
     spec's recipe, and every other rule plans too."""
     from patchdsl.bench.e2e import filtered_spec
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
     gpu((9, 0), "NVIDIA H200")
     model = load_model(family, meta=True, log=None).model

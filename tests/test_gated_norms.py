@@ -11,8 +11,9 @@ import importlib
 import pytest
 import torch
 
-from patchdsl.index import build_index
-from patchdsl.ops.kinds import gated_rmsnorm, swiglu
+from patchdsl.model.index import build_index
+from patchdsl.model.kinds.norms import gated_rmsnorm
+from patchdsl.model.kinds.mlp import swiglu
 from patchdsl.runtime import patch_module
 from patchdsl.suggestion import suggest
 
@@ -165,7 +166,7 @@ def tiny_qwen3_next():
 
 
 def test_inspect_shows_the_gated_norm_with_its_facts():
-    from patchdsl.inspection import render
+    from patchdsl.model.inspection import render
 
     m = _cls("kimi_linear", "KimiLinearRMSNormGated")(32, eps=1e-5)
     text = render(build_index(torch.nn.ModuleDict({"o_norm": m})))

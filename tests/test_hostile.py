@@ -29,7 +29,7 @@ from click.testing import CliRunner
 import patchdsl
 from patchdsl.check import check_spec
 from patchdsl.cli import main
-from patchdsl.index import build_index
+from patchdsl.model.index import build_index
 from patchdsl.ops.registry import get_op, ops
 from patchdsl.planner import PatchPlan, PlanError, model_checker, plan, plan_index
 from patchdsl.runtime import PatchError, apply

@@ -142,30 +142,28 @@ def test_detector_finds_each_kind_of_circle(name, tmp_path):
 
 
 # The layers of docs/architecture.md ("Imports go one way"): what each part of patchdsl may import.
-# Small shared utilities (files, resources, _version, _interp, plantext) may be imported by any part.
-UTILITIES = {"files", "resources", "_version", "_interp", "plantext"}
+# Small shared utilities (util, files, resources, _version, _interp, plantext) may be imported by any part.
+UTILITIES = {"util", "files", "resources", "_version", "_interp", "plantext"}
 LAYERS = {
-    "cli": {"workload", "translate", "integrations", "bench", "parity", "runtime", "planner", "codegen", "models",
-            "check", "index", "select", "syntax", "ops", "census", "suggestion", "inspection"},
-    "census": {"suggestion", "parity", "models"},
-    "suggestion": {"inspection", "planner", "check", "codegen", "index", "ops", "syntax"},
-    "inspection": {"index"},
-    "bench": {"parity", "runtime", "planner", "codegen", "index", "models", "ops", "__init__"},
-    "integrations": {"parity", "runtime", "planner", "check", "index", "ops", "syntax"},
-    "parity": {"runtime", "planner", "codegen", "ops"},
-    "runtime": {"planner", "codegen", "index", "ops"},
-    "planner": {"select", "index", "check", "codegen", "ops", "syntax"},
-    "select": {"index", "ops", "syntax"},
-    "index": {"ops"},
-    "check": {"ops", "syntax"},
-    "codegen": {"ops"},
-    "translate": {"ops"},
-    "models": set(),
-    "ops": {"syntax"},
+    "cli": {"workload", "translate", "integrations", "bench", "parity", "runtime", "planner", "codegen", "model",
+            "check", "select", "syntax", "ops", "census", "suggestion"},
+    "census": {"suggestion", "parity", "model"},
+    "suggestion": {"planner", "check", "codegen", "model", "ops", "syntax"},
+    "bench": {"parity", "runtime", "planner", "codegen", "model", "ops", "__init__"},
+    "integrations": {"parity", "runtime", "planner", "check", "model", "ops", "syntax"},
+    "parity": {"runtime", "planner", "codegen", "model", "ops"},
+    "runtime": {"planner", "codegen", "model", "ops"},
+    "planner": {"select", "check", "codegen", "model", "ops", "syntax"},
+    "select": {"model", "ops", "syntax"},
+    "check": {"model", "ops", "syntax"},
+    "codegen": {"model", "ops"},
+    "translate": {"model", "ops"},
+    "ops": {"model", "syntax"},
+    "model": set(),
     "syntax": set(),
     "workload": {"runtime"},
     "posttrain": {"runtime"},
-    "docgen": {"ops"},
+    "docgen": {"model", "ops"},
 }
 
 

@@ -8,10 +8,10 @@ from click.testing import CliRunner
 
 from patchdsl.check import check_spec
 from patchdsl.cli import main
-from patchdsl.index import build_index
+from patchdsl.model.index import build_index
 from patchdsl.integrations.liger import (LIGER_KEYS, LigerConfigError, liger_defaults, parse_liger_argument,
                                         translate_liger)
-from patchdsl.models import load_model
+from patchdsl.model import load_model
 from patchdsl.planner import plan
 from patchdsl.syntax import parse_spec
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from patchdsl.census import build, tiny_family_config
+from patchdsl.model.forward import causal_lm
 from patchdsl.ops import loss_path
 from patchdsl.parity.reference import float64_mode
 from patchdsl.planner import plan
@@ -70,7 +71,7 @@ def test_fused_loss_and_grads_match_the_float64_forward(case):
         except Exception as e:
             pytest.skip(f"{case}: the unpatched model's own forward fails in this transformers: {e}")
     body, positional = FAMILIES[family]
-    shape = loss_path.forward_shape(type(model))
+    shape = causal_lm.forward_shape(type(model))
     assert shape.reason is None, shape.reason
     assert (shape.body, shape.body_args) == (body, positional)
     ref = copy.deepcopy(model).double().train()
@@ -125,7 +126,7 @@ def test_doge_router_flag_is_resolved_as_its_forward_resolves_it():
 
     ands, to_body = _doge_forward_facts()
     model = build(_config("doge"))
-    shape = loss_path.forward_shape(type(model))
+    shape = causal_lm.forward_shape(type(model))
     assert shape.reason is None, shape.reason
     assert (shape.router_flag, shape.router_flag_to_body) == (ands, to_body)
     for is_moe in (False, True):
@@ -202,7 +203,7 @@ def test_a_gpt2_style_forward_is_fused_or_refused_by_name(name, tmp_path, monkey
     if cap != "unset":
         ref.final_logit_softcapping = cap
     pat = copy.deepcopy(ref)
-    loss_path._SHAPES.clear()
+    causal_lm._SHAPES.clear()
     if expected is not None:
         with pytest.raises(PatchError, match=expected):
             patch_module(pat, FLCE)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from patchdsl.index import build_index
+from patchdsl.model.index import build_index
+from patchdsl.model.forward import causal_lm
 from patchdsl.ops import loss_path
 from patchdsl.ops.registry import get_op
 from patchdsl.planner import plan
@@ -262,7 +263,7 @@ def test_weights_are_read_at_call_time():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_cross_entropy_replaces_only_the_loss_function(family):
     ref, pat = pair(family)
-    assert loss_path.loss_function_settable(type(pat))
+    assert causal_lm.loss_function_settable(type(pat))
     h = patch(pat, CE)
     assert "_loss_function" in pat.__dict__ and "forward" not in pat.__dict__
     ids, labels = batch(seed=12)
@@ -400,7 +401,7 @@ def test_a_forward_step_is_reproduced_or_refused_by_name(head, tmp_path, monkeyp
     ref.logit_scale, ref.temperature = 0.25, 0.5
     with torch.no_grad():
         ref.lm_head.weight.mul_(40.0)
-    loss_path._SHAPES.clear()
+    causal_lm._SHAPES.clear()
     expected = HEAD_STEPS[head]
     for op in (FLCE, CE):
         pat = copy.deepcopy(ref)
@@ -443,6 +444,6 @@ def test_host_is_the_causal_lm_root():
 def test_forward_shape_of_the_shipped_families():
     from .families import FAMILIES as ALL
     for fam in ALL:
-        shape = loss_path.forward_shape(type(tiny_model(fam)))
+        shape = causal_lm.forward_shape(type(tiny_model(fam)))
         assert shape.reason is None, (fam, shape.reason)
         assert {"loss", "logits"}.isdisjoint(shape.output_fields)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from patchdsl.models import (
+from patchdsl.model import (
     CONFIGS_DIR,
     ModelLoadError,
     load_model,
@@ -360,7 +360,7 @@ def test_directory_without_config_is_an_error(tmp_path, monkeypatch):
 def _no_network(monkeypatch):
     import huggingface_hub
 
-    from patchdsl.models import loading
+    from patchdsl.model import loading
 
     def boom(*a, **k):
         raise AssertionError("the network was tried although HF_HUB_OFFLINE=1")

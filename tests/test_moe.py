@@ -14,12 +14,15 @@ import torch
 from patchdsl.codegen.cache import load_kernel
 from patchdsl.codegen.env import target as detect_target
 from patchdsl.codegen.keys import KernelKey
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 from .moe_families import MOE_FAMILIES, MOE_REFUSED, tiny_moe_model
 
-K = importlib.import_module("patchdsl.ops.kinds")
+KE = importlib.import_module("patchdsl.model.kinds.experts")
+KM = importlib.import_module("patchdsl.model.kinds.moe")
+KG = importlib.import_module("patchdsl.model.kinds.mlp")
+KR = importlib.import_module("patchdsl.model.reference")
 TARGET = detect_target()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -54,15 +57,15 @@ def test_experts_and_moe_block_are_recognised(family):
     model = tiny_moe_model(family)
     want_e, want_b = KIND_CASES[family]
     (path, ex), *_ = _experts_of(model)
-    f = K.experts(ex)
+    f = KE.experts(ex)
     assert f is not None, f"{family}: {type(ex).__name__} not recognised as Experts"
     assert f["experts"] == 4 and f["hidden"] == 32
     assert {k: f[k] for k in want_e} == want_e
     block = model.get_submodule(path.rsplit(".", 1)[0])
-    b = K.moe_block(block)
+    b = KM.moe_block(block)
     assert b is not None and b["top_k"] == 2 and b["experts"] == 4
     assert {k: b[k] for k in want_b} == want_b
-    assert K.moe_block(ex) is None and K.experts(block) is None
+    assert KM.moe_block(ex) is None and KE.experts(block) is None
 
 
 class _SwappedExperts(torch.nn.Module):
@@ -90,7 +93,7 @@ class _SwappedExperts(torch.nn.Module):
 @pytest.mark.parametrize("kw,fits", [(dict(swap=False), True), (dict(swap=True), False),
                                      (dict(swap=False, scale=2.0), False)])
 def test_experts_kind_probes_the_forward(kw, fits):
-    f = K.experts(_SwappedExperts(**kw))
+    f = KE.experts(_SwappedExperts(**kw))
     assert (f is not None) == fits
     if fits:
         assert f["layout"] == "concat" and f["activation"] == "silu" and f["top_k"] is None
@@ -99,7 +102,7 @@ def test_experts_kind_probes_the_forward(kw, fits):
 def test_a_dense_mlp_is_not_experts():
     model = tiny_moe_model("deepseek_v3")
     shared = model.model.layers[0].mlp.shared_experts
-    assert K.experts(shared) is None and K.moe_block(shared) is None and K.swiglu(shared)
+    assert KE.experts(shared) is None and KM.moe_block(shared) is None and KG.swiglu(shared)
 
 
 # ---------------------------------------------------------------- the kernel vs float64
@@ -141,7 +144,7 @@ def _run(kmod, facts, T, seed, dtype, ref_facts=None):
     leaves = [t for t in (x, w, gu, dn, gb, db) if t is not None]
     for t in leaves:
         t.requires_grad_(True)
-    ref = K.experts_reference(x, idx, w, gu, dn, gb, db, ref_facts or facts)
+    ref = KR.experts_reference(x, idx, w, gu, dn, gb, db, ref_facts or facts)
     dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
     rgrads = torch.autograd.grad(ref, leaves, dy)
     low = [t.detach().to(device=DEVICE, dtype=dtype).requires_grad_(True) for t in leaves]
@@ -508,7 +511,7 @@ def test_streamed_verify_with_router_logits_on_leaves_the_aux_loss_out():
 def test_peft_lora_on_expert_parameters_trains_through_the_fused_experts():
     peft = pytest.importorskip("peft")
     from patchdsl import apply, plan
-    from patchdsl.ops.kinds import peft_param_base
+    from patchdsl.model.kinds.experts import peft_param_base
 
     model = tiny_moe_model("qwen3_moe")
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[],
@@ -642,7 +645,7 @@ def _experts_real_shape(device, T, H, E, k, I, dtype, seed=0):
                 out = out.index_add(0, t, y * w_[t, j, None])
         return out
 
-    facts = K.experts(mod)
+    facts = KE.experts(mod)
     assert facts is not None
     kmod = _kernel(facts, {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype])
 
@@ -703,8 +706,8 @@ def _old_aria(model) -> bool:
 def test_more_moe_families_are_recognised(family):
     if family == "aria_text" and _old_aria(tiny_moe_model(family)):
         (_, ex), *_ = _experts_of(tiny_moe_model(family))
-        assert K.experts(ex) is None
-        assert "AriaExperts holds fc1.weight" in K.experts_misfit(ex) and "not 3-D gate_up_proj" in K.experts_misfit(ex)
+        assert KE.experts(ex) is None
+        assert "AriaExperts holds fc1.weight" in KE.experts_misfit(ex) and "not 3-D gate_up_proj" in KE.experts_misfit(ex)
         return
     test_experts_and_moe_block_are_recognised(family)
 
@@ -733,17 +736,17 @@ def test_fused_experts_with_a_wrong_clamp_fails_against_the_reference():
     """MiniMax-M3's experts read as plain SiLU (alpha / limit ignored) must not match its forward."""
     model = tiny_moe_model("minimax_m3_vl_text").double()
     (_, ex), *_ = _experts_of(model)
-    f = K.experts(ex)
+    f = KE.experts(ex)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 32, generator=g, dtype=torch.float64) * 4      # past the limit: the clamp matters
     idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
     w = torch.rand(6, 2, generator=g, dtype=torch.float64)
     with torch.no_grad():
         ex.gate_up_proj.mul_(3)
-        out = K._expert_forward(ex)(ex, x, idx, w)
+        out = KE._expert_forward(ex)(ex, x, idx, w)
         args = (x, idx, w, ex.gate_up_proj, ex.down_proj, None, None)
-        assert torch.allclose(K.experts_reference(*args, f), out, rtol=1e-9, atol=1e-10)
-        assert not torch.allclose(K.experts_reference(*args, dict(f, activation="silu")), out, rtol=1e-3)
+        assert torch.allclose(KR.experts_reference(*args, f), out, rtol=1e-9, atol=1e-10)
+        assert not torch.allclose(KR.experts_reference(*args, dict(f, activation="silu")), out, rtol=1e-3)
 
 
 @pytest.mark.parametrize("family", list(MOE_REFUSED))
@@ -761,7 +764,7 @@ def test_moe_experts_that_fit_no_kind_are_refused_naming_why(family):
     exps = [m for p, m in model.named_modules() if p.endswith(".experts") and not isinstance(m, torch.nn.ModuleList)]
     for ex in exps:
         if "gate_up_proj" in ex._parameters:
-            assert K.experts(ex) is None and why in K.experts_misfit(ex)
+            assert KE.experts(ex) is None and why in KE.experts_misfit(ex)
     with pytest.raises(SpecError):
         plan("*.experts: Experts -> fused_experts\n", model, target=TARGET)
 
@@ -781,6 +784,6 @@ def test_fused_experts_called_with_another_top_k_runs_the_module_s_own_forward()
     w = torch.rand(5, 3, generator=g)
     with torch.no_grad():
         out = ex(x, idx, w)
-        ref = K.experts_reference(x.double(), idx, w.double(), ex.gate_up_proj.double(), ex.down_proj.double(),
-                                  None, None, K.experts(ex))
+        ref = KR.experts_reference(x.double(), idx, w.double(), ex.gate_up_proj.double(), ex.down_proj.double(),
+                                  None, None, KE.experts(ex))
     assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)

@@ -262,7 +262,7 @@ def test_verify_rejects_bad_arguments():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_verify_real_qwen3_shapes_on_gpu():
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
     def factory():
         return load_model("Qwen/Qwen3-0.6B", weights=False, dtype="fp32", device="cuda", log=None).model

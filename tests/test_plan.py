@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from patchdsl import SpecError, parse_spec
-from patchdsl.index import build_index
+from patchdsl.model.index import build_index
 from patchdsl.planner import PatchPlan, plan
 
 N_LAYERS = 4

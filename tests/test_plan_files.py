@@ -209,7 +209,7 @@ def test_float64_after_patching_is_a_clear_error():
 
 
 def test_a_meta_model_is_refused_at_apply(qwen):
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
     meta = load_model("Qwen/Qwen3-0.6B", meta=True, tiny=True, log=lambda s: None).model
     h = apply(plan(NORM, meta), meta)
@@ -242,7 +242,7 @@ def test_a_bad_config_json_is_a_clear_error_with_exit_2(field, value, tmp_path):
     from click.testing import CliRunner
 
     from patchdsl.cli import main
-    from patchdsl.models.loading import shipped_config_path
+    from patchdsl.model.loading import shipped_config_path
 
     d = json.loads(shipped_config_path("Qwen/Qwen3-0.6B").read_text())
     d[field] = value

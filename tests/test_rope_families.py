@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from patchdsl.index import build_index
+from patchdsl.model.index import build_index
 from patchdsl.planner import plan
 
 
@@ -196,7 +196,7 @@ def test_a_forward_that_calls_the_rotary_function_twice_is_refused():
 def test_ops_that_compute_rotate_half_only_refuse_other_layouts(op_name):
     """A Qwen3 attention (per-head q/k RMSNorms: fused_qk_norm_rope fits it) with an interleaved layout in
     its facts: the rotate_half-only ops refuse it and point to fused_rope; with its own facts they do not."""
-    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.model.info import ModuleInfo
     from patchdsl.ops.registry import get_op
 
     from .families import tiny_model

@@ -16,8 +16,8 @@ import torch
 from click.testing import CliRunner
 
 from patchdsl.cli import main
-from patchdsl.index import build_index
-from patchdsl.inspection import fold_paths, int_set, inspect_model, render, rows
+from patchdsl.model.index import build_index
+from patchdsl.model.inspection import fold_paths, int_set, inspect_model, render, rows
 from patchdsl.planner import plan
 from patchdsl.suggestion import CONCERNS, suggest
 

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 
-from patchdsl.ops import loss_path
+from patchdsl.model.forward import causal_lm
 from patchdsl.parity import verify
 from patchdsl.planner import plan
 from patchdsl.resources import shipped_spec
@@ -216,10 +216,10 @@ def test_vision_tower_norms_and_mlps_on_an_image_batch(spec):
 def test_a_text_config_vocab_size_other_than_the_lm_heads_is_refused():
     m = vlm_model("qwen3_vl")
     m.config.text_config.vocab_size = 777
-    loss_path._SHAPES.clear()
+    causal_lm._SHAPES.clear()
     with pytest.raises(PatchError, match=r"vocab_size=config\.text_config\.vocab_size = 777.*lm_head has 512"):
         patch_module(m, FLCE)
-    assert loss_path.source._read_value(m, "self.config.get_text_config().vocab_size") == 777
+    assert causal_lm._read_value(m, "self.config.get_text_config().vocab_size") == 777
 
 
 _VARIANT = """
@@ -272,7 +272,7 @@ def test_a_vision_language_forward_is_reproduced_or_refused_by_name(body, vocab,
     ref.load_state_dict(base.state_dict())
     with torch.no_grad():
         ref.lm_head.weight.mul_(40.0)           # logits of tens: a scaling moves the loss
-    loss_path._SHAPES.clear()
+    causal_lm._SHAPES.clear()
     expected = VARIANTS[(body, vocab, head)]
     pat = copy.deepcopy(ref)
     if expected is not None:
@@ -317,9 +317,9 @@ def test_paligemma_softcap_read_from_the_text_config_is_reproduced():
     with torch.no_grad():
         ref.lm_head.weight.mul_(40.0)           # logits of tens: the cap moves the loss
     pat = copy.deepcopy(ref)
-    loss_path._SHAPES.clear()
+    causal_lm._SHAPES.clear()
     patch_module(pat, FLCE)
-    applies = loss_path.forward_shape(type(ref)).applies_softcap
+    applies = causal_lm.forward_shape(type(ref)).applies_softcap
     assert applies == ("get_text_config" in __import__("inspect").getsource(type(ref).forward))
     assert_same_step(ref, pat, text_batch(seed=13))
 
@@ -333,7 +333,7 @@ def test_other_vision_language_models_language_tower_and_loss(model_type):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from patchdsl.census import shrink_composite
-    from patchdsl.models.loading import tiny_config
+    from patchdsl.model.loading import tiny_config
     from patchdsl.suggestion import modules_not_run, suggest
 
     cfg = shrink_composite(AutoConfig.for_model(model_type), tiny_config)

@@ -142,7 +142,7 @@ def _model_type(model: str) -> str | None:
     p = Path(model).expanduser()
     cands = [p / "config.json", p] if p.exists() else []
     try:
-        from ..models.loading import shipped_config_path
+        from ..model.loading import shipped_config_path
 
         sp = shipped_config_path(model)
         if sp is not None:
@@ -238,16 +238,16 @@ def filtered_spec(spec: str) -> tuple[str, list[str], str]:
 
 # ----------------------------------------------------------------------------- one row, in this process
 def build_model(o: E2EOptions):
-    """(model, where it came from).  patchdsl.models.load_model when present, else the hyperparameters above."""
+    """(model, where it came from).  patchdsl.model.load_model when present, else the hyperparameters above."""
     import torch
 
     try:
-        from ..models import load_model
+        from ..model import load_model
 
         lm = load_model(o.model, dtype=_torch_dtype(o.dtype), device=o.device, weights=False,
                         attn_implementation=o.attn, tiny=o.tiny, seed=o.seed, log=None)
         model, source = lm.model, lm.source
-    except Exception as e:  # patchdsl.models missing or failing: the architecture from the constants
+    except Exception as e:  # patchdsl.model missing or failing: the architecture from the constants
         from transformers import AutoConfig, AutoModelForCausalLM
 
         kw = dict(QWEN3_06B)
@@ -260,7 +260,7 @@ def build_model(o: E2EOptions):
             torch.cuda.manual_seed_all(o.seed)
         with dev:
             model = AutoModelForCausalLM.from_config(cfg, dtype=_torch_dtype(o.dtype), attn_implementation=o.attn)
-        source = f"qwen3 from built-in hyperparameters ({type(e).__name__} from patchdsl.models: {e})"
+        source = f"qwen3 from built-in hyperparameters ({type(e).__name__} from patchdsl.model: {e})"
     model.config.use_cache = False
     return model, source
 

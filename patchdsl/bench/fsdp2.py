@@ -109,7 +109,7 @@ def _init(device: str):
 
 
 def _build(a, dtype):
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
     import torch
 

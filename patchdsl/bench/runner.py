@@ -100,7 +100,7 @@ def _nbytes(ts) -> int:
 
 def plan_key(fam: Family, op: Any, shape: dict, dtype: str, target: str):
     """The KernelKey a real model of these sizes would get: a one-rule spec planned on a meta model."""
-    from ..index import build_index
+    from ..model.index import build_index
     from ..planner import plan
 
     model, prefer = fam.plan_model(shape, dtype)

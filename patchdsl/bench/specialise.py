@@ -145,7 +145,7 @@ class Options:
 def plan_variant(fam: Family, shape: dict, dtype: str, target: str, flags: Mapping[str, Any] | None):
     """(KernelKey, site rule) for ``fam`` at ``shape``: the auto plan, or the same rule with ``flags``
     written into the spec (``model.norm: RMSNorm -> fused_rmsnorm(block=256)``), as a user would."""
-    from ..index import build_index
+    from ..model.index import build_index
     from ..ops.registry import get_op
     from ..planner import plan
 

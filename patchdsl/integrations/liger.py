@@ -22,7 +22,7 @@ so the spec patches exactly the modules the key names.  A key that is on but who
 module of the model (``swiglu`` on Gemma's GeGLU MLPs) is a *problem*, reported per site; the
 caller decides whether that stops it (``patchdsl translate`` and ``kpatch_strict``) or is a warning.
 
-:func:`translate_liger` is pure: a config and a :class:`~patchdsl.index.ModelIndex` in, a
+:func:`translate_liger` is pure: a config and a :class:`~patchdsl.model.index.ModelIndex` in, a
 :class:`LigerTranslation` out.  Nothing here imports torch.
 """
 

@@ -223,7 +223,7 @@ def _trl_fused_head(model: Any) -> bool:
 
 
 def _model_dtype_names(model: Any, training_args: Any) -> tuple[str, ...]:
-    from ..ops.common import dtype_name
+    from ..util.vocab import dtype_name
 
     out = []
     p = next(model.parameters(), None)
@@ -310,7 +310,7 @@ def prepare(model: Any, opts: KpatchOptions, training_args: Any = None, *, liger
 
 def _spec_from_liger(base: Any, opts: KpatchOptions, training_args: Any, liger: tuple[bool, Any] | None,
                      log: Any, notes: list[str]) -> Spec:
-    from ..index import build_index
+    from ..model.index import build_index
     from .liger import LigerConfigError, translate_liger
 
     use, cfg = liger if liger is not None else liger_switches(training_args)

@@ -520,7 +520,7 @@ def probe(module: Any, facts: dict, an: AttentionAnalysis, qk_ref: Callable, mod
 def layout_reason(module: Any, facts: dict, an: AttentionAnalysis) -> str | None:
     """Why the projections' widths are not the (heads x head_dim) layout the replacement splits, named by
     what they are (a query doubled by an output gate, as Qwen3.5's), or None."""
-    from .kinds import linear_like
+    from ..model.modules import linear_like
 
     d, nq, nk = int(facts["head_dim"]), int(facts["n_heads"]), int(facts["n_kv_heads"])
     name = an.cls.__name__

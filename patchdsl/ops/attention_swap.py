@@ -27,7 +27,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .rotary import FUSED_QKV_NAMES, ROPE_FN, fused_kv_heads, reference_rotary
+from ..model.forward.rotary import FUSED_QKV_NAMES, ROPE_FN, fused_kv_heads, reference_rotary
 
 SWAP_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 _swap_cache: dict[type, "RopeSwap | str"] = {}
@@ -243,7 +243,7 @@ def probe_swap(module: Any, facts: dict, sw: RopeSwap) -> str | None:
     holder: dict[str, Any] = {}
 
     def expect():
-        from .kinds import linear_like
+        from ..model.modules import linear_like
 
         stand = holder["stand"]
         nq = int(stand.config.num_attention_heads)

@@ -19,8 +19,10 @@ Life of a site:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
+
+from ..model.info import ModuleInfo
 
 
 # Upper bounds of int flags (every int flag has both bounds: tests/test_hostile_inputs.py checks the registry).
@@ -110,34 +112,6 @@ def _show(v: Any) -> str:
     return s if len(s) <= 40 else s[:40] + f"... ({len(s)} characters)"
 
 
-@dataclass(frozen=True)
-class ModuleInfo:
-    """What the planner knows about one module (plain data, no tensors).
-
-    ``kinds`` maps each structural kind the module fits to the facts its recogniser found
-    (e.g. ``{"RMSNorm": {"hidden": 1024, "eps": 1e-6, "offset": 0.0, "casting": "llama"}}``).
-    """
-
-    path: str
-    cls: str
-    bases: tuple[str, ...]
-    kinds: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    dtype: str | None = None
-    children: tuple[str, ...] = ()
-
-    def facts(self, kind: str) -> Mapping[str, Any]:
-        return self.kinds.get(kind, {})
-
-    def with_host(self, host: "ModuleInfo | None") -> "ModuleInfo":
-        """This site's info with the facts of the module it patches through (the causal LM for
-        fused_linear_cross_entropy on lm_head) added; the site's own facts win."""
-        if host is None or host.path == self.path:
-            return self
-        from dataclasses import replace
-
-        return replace(self, kinds={**host.kinds, **self.kinds})
-
-
 class Op:
     """Base class of every op.  Subclasses set the class attributes and override the methods."""
 
@@ -225,7 +199,7 @@ class Op:
         """Path of the module whose ``forward`` this op replaces (default: the site itself).
 
         ``fused_linear_cross_entropy`` is selected on ``lm_head`` but replaces the forward of the
-        causal LM that owns it; ``index`` is the :class:`patchdsl.index.ModelIndex`.
+        causal LM that owns it; ``index`` is the :class:`patchdsl.model.index.ModelIndex`.
         """
         return info.path
 

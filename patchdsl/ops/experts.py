@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, Op
+from ..model.info import ModuleInfo
 from .registry import register
 
 # BM: the routing's row block (rows of one expert per program of the row-block GEMMs); the other
@@ -87,7 +88,7 @@ class FusedExperts(Op):
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         import torch
 
-        from .kinds import peft_param_base
+        from ..model.kinds.experts import peft_param_base
 
         where = f"{info.path or '<module>'} ({info.cls})"
         module, _ = peft_param_base(module)
@@ -99,7 +100,7 @@ class FusedExperts(Op):
             return f"{where} is sharded over experts (expert parallelism); the fused experts need every expert"
         if getattr(module, "has_post_expert_norm", False):
             return f"{where} normalises each expert's output (post_expert_norm); not fused"
-        from .kinds import experts as recognise
+        from ..model.kinds.experts import experts as recognise
 
         live = recognise(module)
         if live is None:
@@ -117,7 +118,7 @@ class FusedExperts(Op):
     def make_forward(self, module, kernels, flags, info):
         import torch
 
-        from .kinds import _expert_forward
+        from ..model.kinds.experts import _expert_forward
 
         eager = _expert_forward(module)
         f = info.facts("Experts")

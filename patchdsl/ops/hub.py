@@ -34,9 +34,11 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op, SIZE_MAX
+from .base import FlagSpec, Op, SIZE_MAX
+from ..model.info import ModuleInfo
 from .external import kernels_library, missing_kernels_message
-from .registry import KIND_NAMES, register
+from ..model.kinds import KIND_NAMES
+from .registry import register
 
 _LOCAL_PREFIXES = ("./", "../", "/", "~")
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")

@@ -57,7 +57,8 @@ class FusedLinearLogprobs(ChunkedHeadOp):
     def install(self, host, kernels, flags, info):
         import types
 
-        from .loss_path import make_logprobs_forward, require_host
+        from ..model.forward.causal_lm import require_host
+        from .loss_path import make_logprobs_forward
         require_host(host, info, flags, self.name)
         return [(host, "forward", types.MethodType(make_logprobs_forward(host, kernels, flags), host))]
 

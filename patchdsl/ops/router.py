@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, Op
+from ..model.info import ModuleInfo
 from .common import next_pow2
 from .registry import register
 
@@ -95,7 +96,7 @@ class FusedRouter(Op):
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         import torch
 
-        from .kinds import router as recognise
+        from ..model.kinds.moe import router as recognise
 
         where = f"{info.path or '<module>'} ({info.cls})"
         f = info.facts("Router")

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .hooks import Capture, base_model_of, first_tensor
-from ..ops.common import decoder_layers  # noqa: F401  (parity.run imports it from here)
+from ..model.modules import decoder_layers  # noqa: F401  (parity.run imports it from here)
 from .reference import float64_mode
 
 MODES = ("auto", "whole", "streamed")

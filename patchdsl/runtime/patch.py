@@ -33,9 +33,10 @@ from typing import Any, Callable
 from ..codegen import KernelKey, load_kernel
 from ..codegen.custom_ops import compiling
 from ..codegen.env import target as detect_target
-from ..index import module_info
-from ..ops.base import ModuleInfo, Op
-from ..ops.common import dtype_name
+from ..model.index import module_info
+from ..model.info import ModuleInfo
+from ..ops.base import Op
+from ..util.vocab import dtype_name
 from ..ops.registry import get_op
 from ..planner import PatchPlan, PlanError, Unavailable, check_site, resolve_here
 from ..planner import plan as make_plan
@@ -307,7 +308,7 @@ def uncovered_modules(plan: PatchPlan, model: Any) -> list[Refusal]:
     """Modules of ``model`` the plan never saw (not in ``plan.structure``) that are like a site of it
     (same leaf name and class: ``model.layers.5.mlp`` beside a plan for ``model.layers.1.mlp``), as
     refusals: the spec would have selected them, the plan cannot patch them."""
-    from ..ops.kinds import unwrap
+    from ..model.modules import unwrap
 
     if not plan.structure:
         raise PlanError("the plan records no model structure (make it with patchdsl.plan or read it from a plan file)")

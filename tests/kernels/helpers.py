@@ -25,7 +25,7 @@ import os
 import torch
 
 from patchdsl.codegen import KernelKey, load_kernel
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -46,7 +46,7 @@ def test_seed_oss_mlp_dropout_is_reproduced_in_training(seed):
 def test_dropping_the_dropout_would_be_wrong():
     """The case that must fail: the MLP patched as if it had no output dropout differs in training mode."""
     from patchdsl.ops.swiglu import _NoDropout
-    from patchdsl.index import build_index
+    from patchdsl.model.index import build_index
     from patchdsl.ops.registry import get_op
 
     m = _seed_oss()

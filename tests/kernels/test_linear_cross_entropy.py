@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.linear_cross_entropy import CHUNK_BUDGET
 from patchdsl.ops.registry import get_op
 

@@ -13,7 +13,7 @@ import torch
 
 from patchdsl.codegen import KernelKey, render
 from patchdsl.codegen import custom_ops
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 from .helpers import (DEVICE, ON_GPU, TORCH_DTYPES, assert_close, assert_kernel_globals_constexpr, gjsd_per_token,

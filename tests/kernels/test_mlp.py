@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import patchdsl
-from patchdsl.ops.kinds import MLP_ACTIVATIONS, mlp_activation_reference, mlp_probe
+from patchdsl.model.kinds.mlp import MLP_ACTIVATIONS, mlp_probe
+from patchdsl.model.reference import mlp_activation_reference
 from patchdsl.syntax.errors import SpecError
 
 from .helpers import DEVICE, TORCH_DTYPES, assert_close, assert_kernel_globals_constexpr, kernel_for, sizes

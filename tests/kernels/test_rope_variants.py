@@ -141,6 +141,6 @@ def test_layouts_the_rebuilt_forward_refuses_run_the_models_own_forward(model_ty
 
 
 def build_index_facts(attn):
-    from patchdsl.index import build_index
+    from patchdsl.model.index import build_index
 
     return dict(build_index(attn).infos[""].kinds["Attention"])

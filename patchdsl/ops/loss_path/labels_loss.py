@@ -7,9 +7,10 @@ from __future__ import annotations
 import types
 from typing import Any, Callable, Mapping
 
-from ..common import signature_binder, unwrap
+from ..common import signature_binder
+from ...model.modules import unwrap
 from .sharding import call_as_forward, head_gather, unsharded_reason
-from .source import ForwardShape, _read_value, forward_shape, host_body, router_loss
+from ...model.forward.causal_lm import ForwardShape, _read_value, forward_shape, host_body, router_loss
 
 
 # --------------------------------------------------------------------------- runtime helpers

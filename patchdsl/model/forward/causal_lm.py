@@ -10,9 +10,9 @@ import inspect
 import textwrap
 from typing import Any, Mapping
 
-from ..base import ModuleInfo
-from ..common import linear_like, unwrap
-from .planning import resolve_multiplier, resolve_scaling, resolve_softcap, transforms_logits
+from ..info import ModuleInfo
+from ..modules import linear_like, unwrap
+from .logits import resolve_multiplier, resolve_scaling, resolve_softcap, transforms_logits
 
 # What the patched forward may see the original forward read from ``self`` / ``self.config``.
 # The scalars a causal LM's forward may scale by between its decoder body and its loss (as source

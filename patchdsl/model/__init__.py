@@ -1,6 +1,6 @@
 """Model loading: Hub ids, local directories and config.json files, with shipped architecture configs.
 
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
     loaded = load_model("Qwen/Qwen3-0.6B", meta=True)      # architecture only, for planning
     loaded = load_model("Qwen/Qwen3-0.6B", tiny=True)      # shrunk, random weights, for CPU tests
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from .ops.base import ModuleInfo
-from .ops.registry import kinds
-from .ops.common import dtype_name
+from ..util.vocab import dtype_name
+from .info import ModuleInfo
+from .kinds import KINDS
+from .modules import unwrap
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,7 @@ def _param_dtype(m: Any) -> str | None:
 
 def module_info(mod: Any, path: str, recognisers: Mapping[str, Any] | None = None) -> ModuleInfo:
     """What the index records about one module (its class, bases, kinds with facts, dtype)."""
-    from .ops.kinds import unwrap
-
-    recognisers = kinds() if recognisers is None else recognisers
+    recognisers = KINDS if recognisers is None else recognisers
     target = unwrap(mod)
     facts = {}
     for name, fn in recognisers.items():
@@ -76,9 +75,7 @@ def module_info(mod: Any, path: str, recognisers: Mapping[str, Any] | None = Non
 
 
 def build_index(model: Any) -> ModelIndex:
-    from .ops.kinds import unwrap
-
-    recognisers = kinds()
+    recognisers = dict(KINDS)
     infos: dict[str, ModuleInfo] = {}
     aliases: dict[str, str] = {}
     first_path: dict[int, str] = {}

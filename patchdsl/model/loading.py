@@ -9,7 +9,7 @@
 3. a Hub id fetched from the Hub, only when ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` are unset,
    after a short reachability probe, so that an unreachable Hub fails in seconds, not minutes;
 4. the architecture alone, with seeded random weights, from the cached ``config.json`` if there is
-   one, else the config shipped in ``patchdsl/models/configs/``, else (online only) the Hub's
+   one, else the config shipped in ``patchdsl/model/configs/``, else (online only) the Hub's
    ``config.json``.
 
 Whatever happens is said in exactly one line through ``log`` and kept in ``LoadedModel.source``.
@@ -284,7 +284,7 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     """
     if getattr(config, "text_config", None) is not None and hasattr(config.text_config, "to_dict"):
         # a vision-language model: its language tower shrunk as above, the vision tower by its common
-        # size names, multimodal RoPE sections with the head size (patchdsl.models.shrink)
+        # size names, multimodal RoPE sections with the head size (patchdsl.model.shrink)
         from .shrink import shrink_composite
         return shrink_composite(config, lambda c: tiny_config(c, layers=layers, vocab=vocab))
     d = config.to_dict()

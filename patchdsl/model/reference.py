@@ -1,0 +1,85 @@
+"""Float64 reference formulas of what the recognised modules compute, in plain torch (any dtype,
+differentiable): the recognisers' candidates when they probe, and the references of the tests and benches."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .modules import _torch
+
+
+def mlp_activation_reference(name: str):
+    """The activation ``name`` of :data:`MLP_ACTIVATIONS` in plain torch (any dtype, differentiable)."""
+    torch = _torch()
+    F = torch.nn.functional
+    return {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu,
+            "relu2": lambda t: F.relu(t).square(), "silu": F.silu,
+            "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}[name]
+
+
+
+def expert_gate_reference(gate: Any, up: Any, activation: str, alpha: float | None = None,
+                          limit: float | None = None) -> Any:
+    """act(gate) * up of one expert's projections in plain torch (any dtype); ``swiglu_clamp`` is
+    gpt-oss's ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``."""
+    torch = _torch()
+    F = torch.nn.functional
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == "swiglu_clamp":
+        g = gate.clamp(max=limit)
+        u = up.clamp(min=-limit, max=limit)
+        return (u + 1) * (g * torch.sigmoid(g * alpha))
+    raise ValueError(f"unknown expert activation {activation!r}")
+
+
+def experts_reference(hidden: Any, top_k_index: Any, top_k_weights: Any, gate_up: Any, down: Any,
+                      gate_up_bias: Any, down_bias: Any, facts: Mapping[str, Any]) -> Any:
+    """What an ``Experts`` module with ``facts`` computes, written densely (every expert on every
+    token, masked by the routing): ``sum_k w[t,k] * (act(x W_gu[e] + b) W_d[e] + b_d)`` with
+    ``e = top_k_index[t,k]``.  Plain torch, differentiable, any dtype; the test reference and the
+    probe's candidate."""
+    torch = _torch()
+    E = gate_up.shape[0]
+    gu_w = gate_up if facts["transposed"] else gate_up.transpose(1, 2)        # [E, H, 2I]
+    d_w = down if facts["transposed"] else down.transpose(1, 2)                # [E, I, H]
+    gu = torch.einsum("th,ehn->ten", hidden, gu_w)                             # [T, E, 2I]
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias
+    if facts["layout"] == "interleaved":
+        gate, up = gu[..., ::2], gu[..., 1::2]
+    else:
+        gate, up = gu.chunk(2, dim=-1)
+    h = expert_gate_reference(gate, up, facts["activation"], facts.get("alpha"), facts.get("limit"))
+    y = torch.einsum("tei,eih->teh", h, d_w)                                   # [T, E, H]
+    if down_bias is not None:
+        y = y + down_bias
+    dense_w = torch.zeros(hidden.shape[0], E, dtype=top_k_weights.dtype, device=hidden.device)
+    dense_w = dense_w.scatter_add(1, top_k_index.long(), top_k_weights)
+    return torch.einsum("te,teh->th", dense_w.to(y.dtype), y)
+
+
+
+def router_reference(logits: Any, top_k: int, scoring: str, norm_topk: bool) -> tuple[Any, Any]:
+    """(top-k weights, top-k indices) of a router from its logits, in plain torch at the logits' precision
+    (float64 in the tests): ``softmax_topk`` = softmax over all experts, the top-k of it, renormalised
+    over the k when ``norm_topk``; ``topk_softmax`` = the top-k logits, softmax over those k.  Indices
+    by descending logit, ties to the lower index (a stable sort: fused_router's rule; ``torch.topk``
+    breaks ties its own way, which differs between its CPU and GPU kernels -- tied experts have equal
+    weights, so only which of them is chosen can differ)."""
+    torch = _torch()
+    v, ix = torch.sort(logits, dim=-1, descending=True, stable=True)
+    v, ix = v[..., :top_k], ix[..., :top_k]
+    if scoring == "softmax_topk":
+        w = torch.softmax(logits, dim=-1).gather(-1, ix)
+        if norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+    elif scoring == "topk_softmax":
+        w = torch.softmax(v, dim=-1)
+    else:
+        raise ValueError(f"router_reference: no reference for scoring {scoring!r}")
+    return w, ix
