@@ -83,3 +83,34 @@ def router_reference(logits: Any, top_k: int, scoring: str, norm_topk: bool) -> 
     else:
         raise ValueError(f"router_reference: no reference for scoring {scoring!r}")
     return w, ix
+
+
+# ---- attention: HF's arithmetic, in the (batch, seq, heads, head_dim) layout -------------------------
+
+def reference_rope(q, k, cos, sin):
+    """HF's apply_rotary_pos_emb (rotate_half, partial rotary = cos's last dim) on (b, s, h, d)."""
+    import torch
+
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    r = cos.shape[-1]
+
+    def rot(x):
+        xr, xp = x[..., :r], x[..., r:]
+        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+        y = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return torch.cat([y, xp], dim=-1) if xp.shape[-1] else y
+
+    return rot(q), rot(k)
+
+
+def reference_rmsnorm(x, w, eps: float, offset: float, casting: str):
+    """RMSNorm over the last dim with HF's Llama or Gemma cast order."""
+    import torch
+
+    xf = x.float()
+    xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "gemma":
+        return (xn * (offset + w.float())).to(x.dtype)
+    return ((offset + w) if offset else w) * xn.to(x.dtype)

@@ -1,7 +1,7 @@
 """The second way fused_rope patches an attention module: the original ``forward``, run with its
 ``apply_rotary_pos_emb`` resolved to the fused kernel.
 
-:func:`patchdsl.ops.attention_forward.analyse` rebuilds forwards of the Llama shape (and fuses the
+:func:`patchdsl.model.forward.attention.analyse` reads (and :mod:`patchdsl.ops.attention_forward` rebuilds) forwards of the Llama shape (and fuses the
 q/k transposes and norms around the kernel).  Forwards of other shapes, such as partial rotary by
 slicing and concatenating (Phi, StableLM, Persimmon), a fused ``query_key_value`` split per head
 (GPT-NeoX, Persimmon), q/k norms under a config branch (Cohere's ``use_qk_norm``, StableLM's and

@@ -124,7 +124,9 @@ class FusedQKNormRope(Op):
         return f"{self.name}_{params['dtype']}_{params['tag']}_{params['target']}"
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .attention_forward import analyse, probe, reference_rmsnorm, reference_rope
+        from ..model.forward.attention import analyse
+        from .attention_forward import probe
+        from ..model.reference import reference_rmsnorm, reference_rope
         from ..model.kinds.norms import rmsnorm
         from ..model.modules import unwrap
 
@@ -166,7 +168,9 @@ class FusedQKNormRope(Op):
         return probe(module, dict(f), an, qk_ref, "qk_norm_rope")
 
     def make_forward(self, module, kernels, flags, info):
-        from .attention_forward import analyse, build_forward, reference_rmsnorm, reference_rope
+        from ..model.forward.attention import analyse
+        from .attention_forward import build_forward
+        from ..model.reference import reference_rmsnorm, reference_rope
         from ..model.modules import unwrap
         from .loss_path import unsharded_reason
 

@@ -129,7 +129,8 @@ def rope_route(module: Any, f: Mapping[str, Any]):
     """How fused_rope patches ``module``: ``("rebuild", analysis, norm scope)`` (the forward rebuilt
     around the kernel, attention_forward), ``("swap", RopeSwap)`` (the original forward with its
     apply_rotary_pos_emb resolved to the kernel, attention_swap), or a refusal reason (str)."""
-    from .attention_forward import analyse, probe
+    from ..model.forward.attention import analyse
+    from .attention_forward import probe
     from .attention_swap import analyse_swap, probe_swap
     from ..model.forward.rotary import reference_rotary
 

@@ -18,7 +18,9 @@ import warnings
 import pytest
 import torch
 
-from patchdsl.ops.attention_forward import analyse, build_forward, reference_rope
+from patchdsl.model.forward.attention import analyse
+from patchdsl.ops.attention_forward import build_forward
+from patchdsl.model.reference import reference_rope
 from patchdsl.parity import verify
 from patchdsl.planner import plan
 
