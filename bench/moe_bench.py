@@ -324,7 +324,7 @@ def run_e2e_worker(impl: str, name: str) -> dict:
     build_s = time.time() - t0
     note = ""
     if impl == "patchdsl":
-        from patchdsl.planner import plan
+        from patchdsl.planning.planner import plan
         from patchdsl.runtime import apply
 
         spec = os.path.join(ROOT, "specs", MODELS[name][2])

@@ -58,7 +58,7 @@ def __dir__():
 
 
 def plan(spec, model, **kwargs):
-    from .planner import plan as _plan
+    from .planning.planner import plan as _plan
     return _plan(spec, model, **kwargs)
 
 
@@ -79,9 +79,9 @@ def verify(spec, model_or_factory, **kwargs):
 
 
 def suggest(model, **kwargs):
-    """The spec that patches everything patchdsl can on ``model`` (see :mod:`patchdsl.suggestion`):
+    """The spec that patches everything patchdsl can on ``model`` (see :mod:`patchdsl.planning.suggestion`):
     ``patchdsl.suggest(model).text``; ``.patched``, ``.unpatched`` (path -> reason), ``.counts()``."""
-    from .suggestion import suggest as _suggest
+    from .planning.suggestion import suggest as _suggest
     return _suggest(model, **kwargs)
 
 

@@ -11,7 +11,7 @@ no image batch runs is run on text alone; its vision modules are left out with t
 
 Per family: a tiny config (the family's default config shrunk by
 :func:`patchdsl.model.loading.tiny_config`: 2 layers, hidden 64-160, vocabulary 512), the model
-built in fp32 on the CPU with random weights, :func:`patchdsl.suggestion.suggest` (which plans every
+built in fp32 on the CPU with random weights, :func:`patchdsl.planning.suggestion.suggest` (which plans every
 rule it keeps; modules that one forward of the model does not call are left out, as verify could not
 judge them), and :func:`patchdsl.verify` of the suggestion in fp32 (batch 1 x 8 tokens).  A
 family that cannot be built, or whose suggestion fails, gets a row saying why; one family's
@@ -183,7 +183,7 @@ def quiet():
 def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_TIMEOUT_S) -> Row:
     """One family's row (never raises for a family's failure)."""
 
-    from .suggestion import suggest
+    from .planning.suggestion import suggest
 
     row = Row(model_type)
     old = signal.signal(signal.SIGALRM, _alarm) if hasattr(signal, "SIGALRM") else None
@@ -221,7 +221,7 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
                 return row
             recipe, why = _image_recipe(model)
             try:
-                from .suggestion import modules_not_run
+                from .planning.suggestion import modules_not_run
 
                 inputs = recipe.batch(__import__("torch").Generator().manual_seed(0), 1, 8) if recipe else None
                 s = suggest(model, dtypes=("fp32",), skip=modules_not_run(model, inputs=inputs),

@@ -99,7 +99,7 @@ class _Group(click.Group):
             # bad data that is not a spec error: a plan file, an unusable kernel cache, a value
             # that cannot go into generated code, a model the plan does not fit
             from .codegen import CacheError, CodegenError
-            from .planner import PlanError
+            from .planning.plan_file import PlanError
             from .runtime import PatchError
 
             if isinstance(e, (CacheError, CodegenError, PlanError, PatchError)):
@@ -136,7 +136,7 @@ def main() -> None:
 def _read_spec(path: str):
     """SPEC (a file or a shipped spec's name), its includes expanded; SpecError (exit 2) if bad.
     Folders given with ``--include-dir`` may be read by its includes."""
-    from .check import check_loaded
+    from .planning.check import check_loaded
     from .syntax.parser import read_spec
 
     ctx = click.get_current_context(silent=True)
@@ -195,7 +195,7 @@ def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str
 @include_dir_option
 def check(spec: str, as_json: bool) -> None:
     """Check a spec's syntax, ops, flags and kinds (no model needed)."""
-    from .check import check_spec
+    from .planning.check import check_spec
 
     checked = check_spec(_read_spec(spec))
     if as_json:
@@ -209,7 +209,7 @@ def check(spec: str, as_json: bool) -> None:
 
 # ---------------------------------------------------------------- plan
 def _plan(spec: str, model: str, dtype: str | None, target: str | None, tiny: bool = False):
-    from .planner import plan as make_plan
+    from .planning.planner import plan as make_plan
 
     sp = _read_spec(spec)
     loaded = _load_model(model, meta=True, tiny=tiny)
@@ -218,9 +218,9 @@ def _plan(spec: str, model: str, dtype: str | None, target: str | None, tiny: bo
 
 
 def print_plan(p, console=None, *, sites: bool = False, err: bool = False) -> None:
-    """The plan as plain fixed-column lines (patchdsl.plantext): one per rule, or with ``sites`` one
+    """The plan as plain fixed-column lines (patchdsl.planning.text): one per rule, or with ``sites`` one
     per site; refusals in yellow on a terminal.  ``console`` is accepted for old callers and unused."""
-    from . import plantext
+    from .planning import text as plantext
 
     ctx = click.get_current_context(silent=True)
     checked = ctx.meta.get("patchdsl.checked") if ctx is not None else None
@@ -348,8 +348,9 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from . import plantext
-    from .planner import count_totals, plan as make_plan
+    from .planning import text as plantext
+    from .planning.site import count_totals
+    from .planning.planner import plan as make_plan
     from .workload import Workload, compare_runs
 
     console = _console(stderr=as_json)        # with --json, stdout carries the document only
@@ -655,7 +656,7 @@ def inspect_cmd(model: str, everything: bool, no_fold: bool, as_json: bool) -> N
 def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
     """Print the spec that patches everything patchdsl can on a model, with the reason for each module it cannot."""
     from .parity.images import plan_recipe
-    from .suggestion import suggest as run_suggest
+    from .planning.suggestion import suggest as run_suggest
 
     loaded = _load_model(model, meta=True, log=lambda m: None)
     vision: bool | str | None = None

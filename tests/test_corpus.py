@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from patchdsl.check import check_loaded
+from patchdsl.planning.check import check_loaded
 from patchdsl.syntax import SpecError, load_spec
 from patchdsl.syntax.parser import MAX_INCLUDE_DEPTH, MAX_INCLUDES, MAX_RULES, read_spec
 
@@ -71,7 +71,7 @@ def qwen3_index():
 
 def _run(load, index=None):
     """Load (and plan, given an index) under the watchdog; the SpecError or None."""
-    from patchdsl.planner import plan_index
+    from patchdsl.planning.plan import plan_index
 
     try:
         checked = check_loaded(load)

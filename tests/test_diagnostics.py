@@ -196,7 +196,7 @@ PLAN_ERRORS = [
 @pytest.mark.parametrize("text,pos,msg,hint", PLAN_ERRORS)
 def test_plan_hints(qwen3_index, text, pos, msg, hint):
     from patchdsl import SpecError, parse_spec
-    from patchdsl.planner import plan
+    from patchdsl.planning.planner import plan
 
     with pytest.raises(SpecError) as ei:
         plan(parse_spec(text + "\n", "h.kpatch"), qwen3_index, target="interpreter")
@@ -209,7 +209,7 @@ def test_plan_hints(qwen3_index, text, pos, msg, hint):
 
 def test_plan_reports_every_rule_error(qwen3_index):
     from patchdsl import SpecError, parse_spec
-    from patchdsl.planner import plan
+    from patchdsl.planning.planner import plan
 
     text = ("mlp: SwiGLU -> fused_swiglu\n*.mlp: LlamaMLP -> fused_swiglu\n"
             "*.self_attn: Attention -> fused_rope\n*.self_attn: Attention -> fused_qk_norm_rope\n")
@@ -220,7 +220,7 @@ def test_plan_reports_every_rule_error(qwen3_index):
 
 def test_shipped_rule_locations_in_a_plan(qwen3_index):
     from patchdsl import load_spec
-    from patchdsl.planner import plan
+    from patchdsl.planning.planner import plan
 
     p = plan(load_spec("qwen3"), qwen3_index, target="interpreter")
     assert p.spec == "specs/qwen3.kpatch"

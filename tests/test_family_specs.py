@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from patchdsl.parity import verify
-from patchdsl.planner import plan
+from patchdsl.planning.planner import plan
 from patchdsl.resources import shipped_spec
 from patchdsl.syntax import load_spec
 

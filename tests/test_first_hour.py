@@ -185,8 +185,8 @@ def test_plan_lines_are_never_wrapped_or_cut_whatever_the_width(monkeypatch):
 
 
 def test_plan_without_its_spec_rules_still_has_a_line_per_rule():
-    from patchdsl import plantext
-    from patchdsl.planner import PatchPlan
+    from patchdsl.planning import text as plantext
+    from patchdsl.planning.plan import PatchPlan
 
     p = PatchPlan.from_json(_plan_json("qwen3", Q))
     lines = plantext.short_lines(p)                   # a plan file: no rule texts
@@ -417,7 +417,7 @@ def distribution(name):
         raise importlib.metadata.PackageNotFoundError(name)
     return _dist(name)
 importlib.metadata.version, importlib.metadata.distribution = version, distribution
-import patchdsl.workload, patchdsl.runtime, patchdsl.codegen, patchdsl.plantext
+import patchdsl.workload, patchdsl.runtime, patchdsl.codegen, patchdsl.planning.text
 from patchdsl.cli import main
 main(["plan", "qwen3", "-m", "Qwen/Qwen3-0.6B"], prog_name="patchdsl")
 """

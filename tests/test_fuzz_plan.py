@@ -6,7 +6,9 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from patchdsl.planner import PatchPlan, PlanError, plan
+from patchdsl.planning.plan import PatchPlan
+from patchdsl.planning.plan_file import PlanError
+from patchdsl.planning.planner import plan
 
 from .families import tiny_model
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from patchdsl.check import check_spec
+from patchdsl.planning.check import check_spec
 from patchdsl.resources import specs_dir
 from patchdsl.syntax import SpecError, parse_spec
 from patchdsl.syntax.parser import read_spec

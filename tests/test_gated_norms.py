@@ -15,7 +15,7 @@ from patchdsl.model.index import build_index
 from patchdsl.model.kinds.norms import gated_rmsnorm
 from patchdsl.model.kinds.mlp import swiglu
 from patchdsl.runtime import patch_module
-from patchdsl.suggestion import suggest
+from patchdsl.planning.suggestion import suggest
 
 from .kernels.helpers import TOL, assert_no_worse_than_module, rel_err, tiny_family
 

@@ -27,11 +27,14 @@ import torch
 from click.testing import CliRunner
 
 import patchdsl
-from patchdsl.check import check_spec
+from patchdsl.planning.check import check_spec
 from patchdsl.cli import main
 from patchdsl.model.index import build_index
 from patchdsl.ops.registry import get_op, ops
-from patchdsl.planner import PatchPlan, PlanError, model_checker, plan, plan_index
+from patchdsl.planning.plan import PatchPlan, plan_index
+from patchdsl.planning.plan_file import PlanError
+from patchdsl.planning.site_check import model_checker
+from patchdsl.planning.planner import plan
 from patchdsl.runtime import PatchError, apply
 from patchdsl.syntax import SpecError, parse_spec
 
@@ -131,7 +134,7 @@ def example_plan(op_name: str, repo):
     op = get_op(op_name)
     kinds = [k for k in op.kinds if op_name != "hub" or k == "RMSNorm"]
     from patchdsl.codegen.env import target as detect_target
-    from patchdsl.planner import check_available
+    from patchdsl.planning.availability import check_available
 
     fallback = None
     for mname, dtype in [(m, d) for d in ("fp32", "bf16") for m in POOL]:
@@ -394,7 +397,7 @@ def test_attention_of_a_plan_file_is_checked_like_a_spec(impl, setup, error, mon
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(import_utils, "is_flash_attn_2_available", lambda: False)
         d["target"] = "cuda"
-        from patchdsl.planner import AttentionChoice
+        from patchdsl.ops.attention_impl import AttentionChoice
 
         why = AttentionChoice.from_json({"impl": impl, "rule": ""}).unavailable("cuda", type(model))
         assert why and re.search(error, why), why
@@ -707,7 +710,7 @@ def test_verify_of_a_moe_model_runs_its_float64_reference():
 
 def test_an_unexpected_exception_is_exit_3_with_one_line_not_a_traceback(monkeypatch):
     """Exit 1 means a failed verification and 2 bad input; a bug of patchdsl is neither."""
-    import patchdsl.check as check_mod
+    import patchdsl.planning.check as check_mod
 
     def boom(*a, **k):
         raise RuntimeError("boom\nsecond line")

@@ -142,20 +142,17 @@ def test_detector_finds_each_kind_of_circle(name, tmp_path):
 
 
 # The layers of docs/architecture.md ("Imports go one way"): what each part of patchdsl may import.
-# Small shared utilities (util, files, resources, _version, _interp, plantext) may be imported by any part.
-UTILITIES = {"util", "files", "resources", "_version", "_interp", "plantext"}
+# The leaf utilities (util, files, resources, _version, _interp) may be imported by any part.
+UTILITIES = {"util", "files", "resources", "_version", "_interp"}
 LAYERS = {
-    "cli": {"workload", "translate", "integrations", "bench", "parity", "runtime", "planner", "codegen", "model",
-            "check", "select", "syntax", "ops", "census", "suggestion"},
-    "census": {"suggestion", "parity", "model"},
-    "suggestion": {"planner", "check", "codegen", "model", "ops", "syntax"},
-    "bench": {"parity", "runtime", "planner", "codegen", "model", "ops", "__init__"},
-    "integrations": {"parity", "runtime", "planner", "check", "model", "ops", "syntax"},
-    "parity": {"runtime", "planner", "codegen", "model", "ops"},
-    "runtime": {"planner", "codegen", "model", "ops"},
-    "planner": {"select", "check", "codegen", "model", "ops", "syntax"},
-    "select": {"model", "ops", "syntax"},
-    "check": {"model", "ops", "syntax"},
+    "cli": {"workload", "translate", "integrations", "bench", "parity", "runtime", "planning", "codegen", "model",
+            "syntax", "ops", "census"},
+    "census": {"planning", "parity", "model"},
+    "bench": {"parity", "runtime", "planning", "codegen", "model", "ops", "__init__"},
+    "integrations": {"parity", "runtime", "planning", "model", "ops", "syntax"},
+    "parity": {"runtime", "planning", "codegen", "model", "ops"},
+    "runtime": {"planning", "codegen", "model", "ops"},
+    "planning": {"codegen", "model", "ops", "syntax"},
     "codegen": {"model", "ops"},
     "translate": {"model", "ops"},
     "ops": {"model", "syntax"},

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import patchdsl
-from patchdsl.check import check_spec
-from patchdsl.planner import PatchPlan
+from patchdsl.planning.check import check_spec
+from patchdsl.planning.plan import PatchPlan
 from patchdsl.ops.hub import write_kernel_repo
 from patchdsl.syntax import SpecError, parse_spec
 from tests.kernels.helpers import DEVICE, ON_GPU

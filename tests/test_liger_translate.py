@@ -6,13 +6,13 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from patchdsl.check import check_spec
+from patchdsl.planning.check import check_spec
 from patchdsl.cli import main
 from patchdsl.model.index import build_index
 from patchdsl.integrations.liger import (LIGER_KEYS, LigerConfigError, liger_defaults, parse_liger_argument,
                                         translate_liger)
 from patchdsl.model import load_model
-from patchdsl.planner import plan
+from patchdsl.planning.planner import plan
 from patchdsl.syntax import parse_spec
 
 _INDEX = {}

@@ -18,7 +18,7 @@ from patchdsl.census import build, tiny_family_config
 from patchdsl.model.forward import causal_lm
 from patchdsl.ops import loss_path
 from patchdsl.parity.reference import float64_mode
-from patchdsl.planner import plan
+from patchdsl.planning.planner import plan
 from patchdsl.runtime import PatchError, apply, patch_module
 
 FLCE = "fused_linear_cross_entropy"
@@ -223,7 +223,7 @@ def test_a_gpt2_style_forward_is_fused_or_refused_by_name(name, tmp_path, monkey
 def test_an_lm_head_that_is_not_linear_is_refused_with_its_structure(family, why):
     import re
 
-    from patchdsl.suggestion import suggest
+    from patchdsl.planning.suggestion import suggest
 
     model = build(_config(family))
     s = suggest(model, dtypes=("fp32",))

@@ -16,7 +16,7 @@ from patchdsl.model.index import build_index
 from patchdsl.model.forward import causal_lm
 from patchdsl.ops import loss_path
 from patchdsl.ops.registry import get_op
-from patchdsl.planner import plan
+from patchdsl.planning.planner import plan
 from patchdsl.runtime import PatchError, apply, patch_module
 from patchdsl.runtime.patch import kernel_getter
 

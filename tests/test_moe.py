@@ -752,7 +752,7 @@ def test_fused_experts_with_a_wrong_clamp_fails_against_the_reference():
 @pytest.mark.parametrize("family", list(MOE_REFUSED))
 def test_moe_experts_that_fit_no_kind_are_refused_naming_why(family):
     from patchdsl import plan
-    from patchdsl.suggestion import suggest
+    from patchdsl.planning.suggestion import suggest
     from patchdsl.syntax.errors import SpecError
 
     model = tiny_moe_model(family)

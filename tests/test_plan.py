@@ -8,7 +8,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from patchdsl import SpecError, parse_spec
 from patchdsl.model.index import build_index
-from patchdsl.planner import PatchPlan, plan
+from patchdsl.planning.plan import PatchPlan
+from patchdsl.planning.planner import plan
 
 N_LAYERS = 4
 

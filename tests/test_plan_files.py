@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import patchdsl
-from patchdsl.planner import PatchPlan, PlanError, plan
+from patchdsl.planning.plan import PatchPlan
+from patchdsl.planning.plan_file import PlanError
+from patchdsl.planning.planner import plan
 from patchdsl.runtime import PatchError, UnsupportedDtype, apply, unpatch
 
 from .families import tiny_model

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from patchdsl.model.index import build_index
-from patchdsl.planner import plan
+from patchdsl.planning.planner import plan
 
 
 def _cfg(model_type, **over):
@@ -80,7 +80,7 @@ SUGGESTED = ["phi", "glm4", "cohere", "gpt_neox", "stablelm", "persimmon"]
 @pytest.mark.parametrize("family", SUGGESTED)
 def test_suggested_spec_patches_attention_and_verifies(family):
     from patchdsl.parity import verify
-    from patchdsl.suggestion import suggest
+    from patchdsl.planning.suggestion import suggest
 
     with torch.device("meta"):
         m = _model(family)

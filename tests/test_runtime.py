@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import patchdsl
-from patchdsl.planner import plan
+from patchdsl.planning.planner import plan
 from patchdsl.resources import shipped_spec
 from patchdsl.runtime import PatchError, apply
 from patchdsl.syntax import load_spec

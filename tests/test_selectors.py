@@ -135,7 +135,7 @@ def test_class_patterns_glob():
 
 def test_exclusion_and_several_selectors():
     from patchdsl import parse_spec
-    from patchdsl.select import path_matches
+    from patchdsl.planning.select import path_matches
 
     rule = parse_spec("model.layers.{0..3}.mlp, model.layers.9.mlp, !model.layers.2.mlp: SwiGLU -> fused_swiglu").rules[0]
     got = [i for i in range(12) if path_matches(rule, f"model.layers.{i}.mlp")]
@@ -179,7 +179,7 @@ DEAD_MEMBERS = [
 
 @pytest.mark.parametrize("rule, expected", DEAD_MEMBERS, ids=[r for r, _ in DEAD_MEMBERS])
 def test_every_selector_and_brace_member_patches_something(rule, expected):
-    from patchdsl.planner import plan
+    from patchdsl.planning.planner import plan
 
     from .families import tiny_model
 
@@ -195,7 +195,7 @@ def test_every_selector_and_brace_member_patches_something(rule, expected):
 
 
 def test_brace_members_expands_alternations_not_ranges():
-    from patchdsl.select import MAX_MEMBERS, brace_members
+    from patchdsl.planning.select import MAX_MEMBERS, brace_members
 
     assert brace_members("*.{a,b}.{c,d}") == ["*.a.c", "*.a.d", "*.b.c", "*.b.d"]
     assert brace_members("a.{b,{c,d}x}") == ["a.b", "a.cx", "a.dx"]

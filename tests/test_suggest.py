@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from patchdsl.cli import main
 from patchdsl.model.index import build_index
 from patchdsl.model.inspection import fold_paths, int_set, inspect_model, render, rows
-from patchdsl.planner import plan
-from patchdsl.suggestion import CONCERNS, suggest
+from patchdsl.planning.planner import plan
+from patchdsl.planning.suggestion import CONCERNS, suggest
 
 from .families import FAMILIES, SPEC_OF, tiny_model
 
@@ -231,7 +231,7 @@ def test_refusal_hints_name_the_structural_reason(family, rule, want, not_want):
 
 
 def test_modules_that_do_not_run_are_left_out_with_the_reason():
-    from patchdsl.suggestion import NOT_RUN_REASON, modules_not_run
+    from patchdsl.planning.suggestion import NOT_RUN_REASON, modules_not_run
 
     m = tiny_model("llama")
     m.model.unused_norm = type(m.model.norm)(64, eps=1e-6)     # never called by the forward
@@ -246,7 +246,7 @@ def test_modules_that_do_not_run_are_left_out_with_the_reason():
 
 def test_python_api():
     import patchdsl
-    import patchdsl.suggestion  # noqa: F401  (importing the module keeps patchdsl.suggest the function)
+    import patchdsl.planning.suggestion  # noqa: F401  (importing the module keeps patchdsl.suggest the function)
 
     m = tiny_model("llama")
     assert callable(patchdsl.suggest) and patchdsl.suggest(m).text == suggest(m).text

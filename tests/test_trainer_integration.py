@@ -30,7 +30,7 @@ def test_config_forms(config, n_rules):
 def test_config_errors_are_not_silent(config, frag):
     with pytest.raises(SpecError) as ei:
         spec = spec_from_config(config)[0]
-        from patchdsl.check import check_spec
+        from patchdsl.planning.check import check_spec
         check_spec(spec)
     assert frag in ei.value.render()
 

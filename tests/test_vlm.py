@@ -20,7 +20,7 @@ import torch
 
 from patchdsl.model.forward import causal_lm
 from patchdsl.parity import verify
-from patchdsl.planner import plan
+from patchdsl.planning.planner import plan
 from patchdsl.resources import shipped_spec
 from patchdsl.runtime import PatchError, apply, patch_module
 from patchdsl.syntax import load_spec
@@ -129,7 +129,7 @@ def test_multimodal_spec_verifies(spec, dtype):
 def test_suggest_on_a_vision_language_model_verifies():
     """``patchdsl suggest`` patches the language tower (M-RoPE attention included), the LM head and
     loss, lists the vision tower with its reason, and its spec verifies."""
-    from patchdsl.suggestion import VISION_REASON, suggest
+    from patchdsl.planning.suggestion import VISION_REASON, suggest
 
     m = vlm_model("qwen2_5_vl")
     s = suggest(m, dtypes=("fp32",))
@@ -334,7 +334,7 @@ def test_other_vision_language_models_language_tower_and_loss(model_type):
 
     from patchdsl.census import shrink_composite
     from patchdsl.model.loading import tiny_config
-    from patchdsl.suggestion import modules_not_run, suggest
+    from patchdsl.planning.suggestion import modules_not_run, suggest
 
     cfg = shrink_composite(AutoConfig.for_model(model_type), tiny_config)
     cfg._attn_implementation = "eager"

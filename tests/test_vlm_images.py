@@ -30,7 +30,7 @@ def model_of(model_type: str, seed: int = 0):
 
 
 def vision_paths(model) -> set[str]:
-    from patchdsl.suggestion import vision_modules
+    from patchdsl.planning.suggestion import vision_modules
 
     return set(vision_modules(model))
 
@@ -107,7 +107,7 @@ def test_verify_judges_the_vision_towers_norms_and_mlps(family):
 
 @pytest.mark.slow
 def test_suggest_with_images_patches_the_vision_tower_and_verifies():
-    from patchdsl.suggestion import VISION_REASON, suggest
+    from patchdsl.planning.suggestion import VISION_REASON, suggest
 
     m = model_of("llava")
     r, why = image_recipe(m)
@@ -125,7 +125,7 @@ def test_suggest_with_images_patches_the_vision_tower_and_verifies():
 
 
 def test_suggest_without_images_leaves_the_tower_out_with_the_reason():
-    from patchdsl.suggestion import VISION_REASON, suggest
+    from patchdsl.planning.suggestion import VISION_REASON, suggest
 
     m = model_of("llava_next")
     r, why = image_recipe(m)
@@ -189,7 +189,7 @@ def test_images_asked_of_a_text_only_model_exits_2(tmp_path):
 def test_cli_suggest_keeps_the_vision_tower_where_verify_can_feed_it(family, extra, included, tmp_path):
     from patchdsl.census import tiny_family_config
     from patchdsl.cli import main
-    from patchdsl.suggestion import VISION_REASON
+    from patchdsl.planning.suggestion import VISION_REASON
 
     p = tmp_path / "config.json"
     tiny_family_config(family).to_json_file(str(p))

@@ -101,7 +101,7 @@ def _nbytes(ts) -> int:
 def plan_key(fam: Family, op: Any, shape: dict, dtype: str, target: str):
     """The KernelKey a real model of these sizes would get: a one-rule spec planned on a meta model."""
     from ..model.index import build_index
-    from ..planner import plan
+    from ..planning.planner import plan
 
     model, prefer = fam.plan_model(shape, dtype)
     index = build_index(model)

@@ -147,7 +147,7 @@ def plan_variant(fam: Family, shape: dict, dtype: str, target: str, flags: Mappi
     written into the spec (``model.norm: RMSNorm -> fused_rmsnorm(block=256)``), as a user would."""
     from ..model.index import build_index
     from ..ops.registry import get_op
-    from ..planner import plan
+    from ..planning.planner import plan
 
     op = get_op(fam.op)
     if op is None:

@@ -93,7 +93,7 @@ def validate_kpatch_fields(args: Any) -> None:
         raise ValueError("kpatch_spec and kpatch_from_liger are both set: give a spec, or translate the Liger "
                          "config, not both")
     if args.kpatch_spec:
-        from ..check import check_spec
+        from ..planning.check import check_spec
         from ..syntax import load_spec
 
         # a missing file, a syntax error, an unknown op or flag fails here, located (no model needed)

@@ -276,7 +276,7 @@ def prepare(model: Any, opts: KpatchOptions, training_args: Any = None, *, liger
     """Plan, (verify,) apply: the PatchHandle of ``opts`` on ``model``; the callback and
     ``patch_for_training`` both call this.  The handle carries ``.plan``, ``.patched``, ``.refused``
     and, added here, ``.totals`` (live) and ``.notes`` (sites left out and why)."""
-    from ..planner import plan as make_plan
+    from ..planning.planner import plan as make_plan
     from ..runtime import PatchHandle, apply
 
     log = logger or _logger()

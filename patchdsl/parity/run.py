@@ -326,7 +326,8 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     import torch
 
     from ..codegen.env import target as detect_target
-    from ..planner import PatchPlan, plan as make_plan
+    from ..planning.plan import PatchPlan
+    from ..planning.planner import plan as make_plan
     from ..runtime import apply
 
     t_start = time.perf_counter()

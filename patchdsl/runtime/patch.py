@@ -38,8 +38,11 @@ from ..model.info import ModuleInfo
 from ..ops.base import Op
 from ..util.vocab import dtype_name
 from ..ops.registry import get_op
-from ..planner import PatchPlan, PlanError, Unavailable, check_site, resolve_here
-from ..planner import plan as make_plan
+from ..planning.plan import PatchPlan
+from ..planning.plan_file import PlanError
+from ..planning.availability import Unavailable, resolve_here
+from ..planning.site_check import check_site
+from ..planning.planner import plan as make_plan
 
 class _Missing:
     """'There was no instance attribute': one object, kept by copy/deepcopy/pickle."""
@@ -355,7 +358,7 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
     uncovered: list[Refusal] = []
     if not fresh:
         # a plan not made in this call meets the availability and attention checks plan makes
-        # (planner.resolve_here: packages, GPU, a local repository's files against its sha256 pin,
+        # (planning.availability.resolve_here: packages, GPU, a local repository's files against its sha256 pin,
         # before anything is imported), and must know every module like the ones it patches
         try:
             plan = resolve_here(plan, type(model))

@@ -54,7 +54,7 @@ def test_dropping_the_dropout_would_be_wrong():
     info = build_index(m).get("model.layers.0.mlp")
     op = get_op("fused_swiglu")
     from patchdsl.codegen import load_kernel
-    from patchdsl.planner import plan
+    from patchdsl.planning.planner import plan
 
     p = plan("dtype fp32\nmodel.layers.0.mlp: SwiGLU -> fused_swiglu\n", m)
     kern = load_kernel(p.sites[0].keys[0])

@@ -174,7 +174,7 @@ def test_shape_errors_say_what_was_expected(what, edit, message):
 def test_beta_outside_unit_interval_is_refused(beta):
     """A spec error located at the flag, saying the range."""
     import patchdsl
-    from patchdsl.check import check_spec
+    from patchdsl.planning.check import check_spec
 
     with pytest.raises(Exception, match=r"1:37: error: flag 'beta' must be (>= 0.0|<= 1.0)") as e:
         check_spec(patchdsl.load_spec(f"lm_head: Linear -> fused_linear_jsd(beta={beta})\n"))

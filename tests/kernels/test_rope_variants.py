@@ -22,7 +22,7 @@ from patchdsl.model.forward.attention import analyse
 from patchdsl.ops.attention_forward import build_forward
 from patchdsl.model.reference import reference_rope
 from patchdsl.parity import verify
-from patchdsl.planner import plan
+from patchdsl.planning.planner import plan
 
 
 def _cfg(model_type):

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .ops.base import FlagTypeError, Op
-from .model.kinds import KIND_NAMES
-from .ops.registry import get_op, ops
-from .syntax.ast import Arg, Flag, Rule, Span, Spec
-from .syntax.errors import SpecError, did_you_mean
-from .syntax.parser import BAD_VALUE
-from .syntax.selectors import is_glob
+from ..ops.base import FlagTypeError, Op
+from ..model.kinds import KIND_NAMES
+from ..ops.registry import get_op, ops
+from ..syntax.ast import Arg, Flag, Rule, Span, Spec
+from ..syntax.errors import SpecError, did_you_mean
+from ..syntax.parser import BAD_VALUE
+from ..syntax.selectors import is_glob
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .model.index import ModelIndex, build_index
-from .model.inspection import fold_paths
-from .syntax.errors import SpecError
+from ..model.index import ModelIndex, build_index
+from ..model.inspection import fold_paths
+from ..syntax.errors import SpecError
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
             return _moe_reason(named)
         lin = [n for n, c in named.items() if isinstance(c, torch.nn.Linear)]
         if module is not None and "gate_proj" not in named and "gate_up_proj" not in named:
-            from .model.kinds.mlp import mlp_probe
+            from ..model.kinds.mlp import mlp_probe
             _, why = mlp_probe(module)
             if "projection pair" not in why:
                 return f"an MLP fused_mlp does not take: {why}"
@@ -185,8 +185,8 @@ def _no_kind_reason(module: Any, info, concern: str) -> str:
 
 def _act_name(act: Any) -> str | None:
     """The name of an MLP activation module/function, as :data:`model.kinds.mlp.MLP_ACTIVATIONS` knows it (None else)."""
-    from .model.kinds.mlp import MLP_ACTIVATIONS
-    from .model.reference import mlp_activation_reference
+    from ..model.kinds.mlp import MLP_ACTIVATIONS
+    from ..model.reference import mlp_activation_reference
 
     if act is None or not callable(act):
         return None
@@ -204,7 +204,7 @@ def _act_name(act: Any) -> str | None:
 
 def _moe_reason(named: dict) -> str:
     """Why a mixture-of-experts block is not a MoEBlock: its experts' structural misfit, else its router's."""
-    from .model.kinds.experts import experts_misfit
+    from ..model.kinds.experts import experts_misfit
 
     ex = named.get("experts")
     if ex is not None:
@@ -261,8 +261,8 @@ def _rule_selectors(wanted: list[str], kind: str, index: ModelIndex) -> list[str
 
 def _plan_text(text: str, index: ModelIndex, check, target: str, dtypes: tuple[str, ...]):
     from .check import check_spec
-    from .planner import plan_index
-    from .syntax import parse_spec
+    from .plan import plan_index
+    from ..syntax import parse_spec
 
     return plan_index(check_spec(parse_spec(text, "<suggest>")), index, target=target, dtypes=dtypes, check=check)
 
@@ -282,11 +282,11 @@ def suggest(model: Any, *, dtypes: tuple[str, ...] = ("bf16", "fp32"), target: s
     them out with it as the reason no image batch can be built."""
     vision = {} if images is True else vision_modules(model, images if isinstance(images, str) else None)
     skip = {**dict(skip or {}), **vision}      # the vision tower's reason (no images) before "did not run"
-    from .ops.registry import get_op
-    from .planner import model_checker
+    from ..ops.registry import get_op
+    from .site_check import model_checker
 
     if target is None:
-        from .codegen.env import target as _target
+        from ..codegen.env import target as _target
         target = _target()
     index = build_index(model)
     check = model_checker(model)
@@ -376,14 +376,14 @@ def suggest(model: Any, *, dtypes: tuple[str, ...] = ("bf16", "fp32"), target: s
         if i.path in tried:
             unpatched[i.path] = _reasons(tried[i.path])
         elif con == "loss":
-            from .ops.loss_path import head_module_reason
+            from ..ops.loss_path import head_module_reason
             parent = modules.get(i.path.rsplit(".", 1)[0] if "." in i.path else "")
             unpatched[i.path] = head_module_reason(modules.get(i.path), parent)
         else:
             unpatched[i.path] = _no_kind_reason(modules.get(i.path), i, con)
 
     # the text
-    from ._version import __version__
+    from .._version import __version__
 
     who = name or index.model_class
     head = [f"# {who} ({index.model_type or 'no model_type'}): suggested by patchdsl {__version__} from the "
@@ -441,7 +441,7 @@ def vision_modules(model: Any, why: str | None = None) -> dict[str, str]:
     cfg = getattr(model, "config", None)
     if getattr(cfg, "vision_config", None) is None:
         return {}
-    from .model.modules import decoder_layers
+    from ..model.modules import decoder_layers
 
     found = decoder_layers(model)
     if found is None:
