@@ -29,7 +29,7 @@ KiB, MiB = 1024, 1024 * 1024
 
 # Size limit of each kind of file (bytes).  A limit is far above any real file of the kind.
 LIMITS = {
-    "spec": 64 * KiB,          # = syntax.parser.MAX_SPEC_BYTES
+    "spec": 64 * KiB,          # = syntax.includes.MAX_SPEC_BYTES
     "config": 4 * MiB,         # a model's config.json (real ones: a few KiB; Phi-3's long-rope lists ~10 KiB)
     "liger": 1 * MiB,          # --liger @FILE: a training config (JSON or YAML)
     "mapping": 1 * MiB,        # --kernel-mapping: a KernelConfig mapping

@@ -24,7 +24,8 @@ import pytest
 
 from patchdsl.planning.check import check_loaded
 from patchdsl.syntax import SpecError, load_spec
-from patchdsl.syntax.parser import MAX_INCLUDE_DEPTH, MAX_INCLUDES, MAX_RULES, read_spec
+from patchdsl.syntax.includes import MAX_INCLUDE_DEPTH, MAX_INCLUDES
+from patchdsl.syntax.parser import MAX_RULES, read_spec
 
 CORPUS = Path(__file__).parent / "corpus"
 LIMIT_S = 2.0

@@ -14,7 +14,7 @@ from ..model.kinds import KIND_NAMES
 from ..ops.registry import get_op, ops
 from ..syntax.ast import Arg, Flag, Rule, Span, Spec
 from ..syntax.errors import SpecError, did_you_mean
-from ..syntax.parser import BAD_VALUE
+from ..syntax.transform import BAD_VALUE
 from ..syntax.selectors import is_glob
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 DTYPES = ("fp32", "bf16", "fp16")
+# the long names a user may type for each (specs, the command line, training arguments)
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
