@@ -13,7 +13,7 @@ one decoder layer (q, k, v, o, gate, up, down) at the layer's real sizes and tok
 
 Each piece is timed as a CUDA graph of repeated calls (median replay); quantisation kernels report
 GB/s (bytes read + written), GEMMs TFLOP/s.  The layer totals count an input shared by siblings once
-(q/k/v read one x, gate/up another: the generated module quantises it once, ``codegen.share``), and
+(q/k/v read one x, gate/up another: the generated module quantises it once, ``kernel_support.share``), and
 give recipe=rowwise_with_gw_hp's layer from the same pieces (grad_weight as the bf16 GEMM instead).
 Writes fp8.json / fp8.txt under --out; prints ``fp8: ...`` last (a measurement, never a pass/fail).
 
@@ -132,7 +132,7 @@ def measure_projection(name, k, n, m, dev, tiny, t):
             f(xr, wr).backward(dy)
         return run
 
-    from patchdsl.codegen import share
+    from patchdsl.kernel_support import share
 
     with share.switched(False):                  # one projection alone: nothing to share
         res["whole bf16 ms"] = t(whole(lambda a, c: torch.nn.functional.linear(a, c)), reps=1)

@@ -47,7 +47,7 @@ def breakdown(fam, shape: dict, dtype: str, device: str, target_ms: float, lo: i
     from patchdsl.bench import timing
     from patchdsl.bench.cases import as_tuple
     from patchdsl.bench.runner import _gen, build_patchdsl, patchdsl_entry
-    from patchdsl.codegen import launch as L
+    from patchdsl.kernel_support import launch as L
     from patchdsl.codegen import target
 
     params = fam.make_params(shape, dtype, device, _gen(device, 0))

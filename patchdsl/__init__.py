@@ -17,7 +17,7 @@ In a training script (see docs/training.md):
     trainer = Trainer(..., callbacks=[patchdsl.PatchdslCallback.from_args(kpatch_args)])
 """
 
-from . import _interp  # noqa: F401  (must run before anything imports triton)
+from .kernel_support import interp as _interp  # noqa: F401  (must run before anything imports triton)
 from ._version import __version__
 from .syntax import SpecError, load_spec, parse_spec
 

@@ -1,6 +1,6 @@
 """bf16 stores round to nearest even, as on the GPU, also under Triton's interpreter.
 
-Triton's interpreter (3.6 to 3.9) converts fp32 to bf16 by truncation; ``patchdsl._interp.
+Triton's interpreter (3.6 to 3.9) converts fp32 to bf16 by truncation; ``patchdsl.kernel_support.interp.
 round_bf16_like_gpu`` (applied by ``codegen.env.ensure_triton`` when the interpreter is on) makes
 that one conversion round to nearest even.  Checked bit for bit against torch's own
 ``.to(torch.bfloat16)`` on a kernel that only casts, and, over every op family of the benchmark
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from patchdsl import _interp
+from patchdsl.kernel_support import interp as _interp
 from patchdsl.codegen.env import ensure_triton, target
 
 triton = ensure_triton()

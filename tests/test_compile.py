@@ -21,7 +21,7 @@ import torch._dynamo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import patchdsl
-from patchdsl.codegen import custom_ops
+from patchdsl.kernel_support import custom_ops
 from patchdsl.ops.registry import ops
 from patchdsl.parity.compare import FLOORS
 from patchdsl.resources import shipped_spec

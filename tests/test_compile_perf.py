@@ -21,7 +21,7 @@ import torch
 import torch._dynamo
 
 import patchdsl
-from patchdsl.codegen import custom_ops
+from patchdsl.kernel_support import custom_ops
 from patchdsl.parity.compare import FLOORS
 from patchdsl.runtime import compile as pcompile
 from patchdsl.syntax import load_spec

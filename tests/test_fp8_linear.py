@@ -192,7 +192,7 @@ def test_quantisation_kernels_equal_the_torch_reference(shape, pad):
 
 @pytest.mark.parametrize("before", [None, "0", "1"])
 def test_share_switched_restores_the_setting_it_found(monkeypatch, before):
-    from patchdsl.codegen import share
+    from patchdsl.kernel_support import share
 
     monkeypatch.delenv("PATCHDSL_SHARE", raising=False)
     if before is not None:
@@ -209,7 +209,7 @@ def test_siblings_share_one_quantisation_of_their_input():
     """q/k/v-like siblings on the same input quantise it once in the forward and once (along tokens)
     in the backward; an in-place write to the input, or another input, is not shared; the results
     equal unshared ones bit for bit."""
-    from patchdsl.codegen import share
+    from patchdsl.kernel_support import share
 
     k, n = 64, 48
     mods = [kernel("rowwise", k, n, bias=False) for _ in range(3)]

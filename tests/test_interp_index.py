@@ -3,7 +3,7 @@
 Triton 3.6's interpreter turns a scalar tensor into a Python int with ``int(data)`` on a one-element
 array, which NumPy 2.4 refuses; every kernel that loops ``for r0 in range(row_start, row_end, B)``
 (the norms' backward, the experts op) failed on torch 2.11 / triton 3.6 on the CPU with a fresh
-NumPy.  ``patchdsl._interp.index_scalars_like_newer_triton`` (applied by ``ensure_triton`` when the
+NumPy.  ``patchdsl.kernel_support.interp.index_scalars_like_newer_triton`` (applied by ``ensure_triton`` when the
 interpreter is on) squeezes the array first, as later Tritons do.  These tests run a kernel with such
 a loop against a float64 reference, check the probe on both behaviours, and that the replacement
 happens only where the probe says it is needed.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from patchdsl import _interp
+from patchdsl.kernel_support import interp as _interp
 from patchdsl.codegen.env import ensure_triton, target
 
 triton = ensure_triton()

@@ -1,4 +1,4 @@
-"""patchdsl.codegen.launch: the fast kernel launch and when it must fall back to the normal one.
+"""patchdsl.kernel_support.launch: the fast kernel launch and when it must fall back to the normal one.
 
 On the CPU: the specialisation key against Triton's own ``native_specialize_impl`` (a table of
 arguments), the refusal decisions, and the launcher's cache driven through a fake JIT function
@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from patchdsl.codegen import launch as L
+from patchdsl.kernel_support import launch as L
 
 native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
 from triton.backends.compiler import BaseBackend  # noqa: E402
@@ -392,7 +392,7 @@ def test_launch_on_this_machine_uses_the_interpreter_path():
     from .kernels.helpers import ON_GPU
     if ON_GPU:
         pytest.skip("CPU check")
-    from patchdsl.codegen.launch import launch, launcher_of
+    from patchdsl.kernel_support.launch import launch, launcher_of
     from tests.kernels import _launch_kernels as K
 
     x = torch.arange(10, dtype=torch.float32)

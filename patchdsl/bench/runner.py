@@ -381,7 +381,7 @@ def run_unit(fam: Family, group: str, shape: dict, impl: str, ctx: Context) -> d
         # ---- eager per-call wall and host time
         try:
             wall_ms, lo = (40.0, 5) if cuda else (min(40.0, o.target_ms), 1)
-            from ..codegen import launch as _launch
+            from ..kernel_support import launch as _launch
             n0 = _launch.counts()
             ew = timing.eager_wall(fwd_calls, dev, target_ms=wall_ms, lo=lo)
             rec["eager_fwd_ms"], rec["host_fwd_us"] = ew["eager_ms"], ew["host_us"]

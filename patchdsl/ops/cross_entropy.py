@@ -14,7 +14,7 @@ from ..model.info import ModuleInfo
 from .registry import register
 from .common import next_pow2, row_warps
 
-# Every loss kernel that reads class labels checks them as torch's cross_entropy does (patchdsl/codegen/labels.py).
+# Every loss kernel that reads class labels checks them as torch's cross_entropy does (patchdsl/kernel_support/labels.py).
 LABEL_CHECK_FLAG = FlagSpec(
     "check_labels", "bool", True,
     "a label neither ignore_index nor in [0, vocab) raises IndexError (CPU) or trips a device-side assert (GPU, no "

@@ -2,7 +2,7 @@
 (:func:`compile_layers`, regional compile as torchtitan does).
 
 Why not plain ``torch.compile(model)``: patchdsl's ops are opaque custom ops with fake impls
-(``codegen/custom_ops.py``), and the graph around them is what eager runs, with one exception that
+(``kernel_support/custom_ops.py``), and the graph around them is what eager runs, with one exception that
 is not patchdsl's: transformers' attention-mask decisions.  Two of them read tensor data
 (``find_packed_sequence_indices``: do the positions restart?; ``_ignore_causal_mask_sdpa``: is the
 padding mask all ones?), so under Dynamo they answer "build a mask" (transformers 5.17-5.24 with

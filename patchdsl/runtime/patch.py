@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..codegen import KernelKey, load_kernel
-from ..codegen.custom_ops import compiling
+from ..kernel_support.custom_ops import compiling
 from ..codegen.env import target as detect_target
 from ..model.index import module_info
 from ..model.info import ModuleInfo

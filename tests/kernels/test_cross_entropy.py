@@ -357,7 +357,7 @@ def test_cuda_variants_compile_for_sm90(tmp_path):
 
 
 # ---------------------------------------------------------------- label values, as torch's cross_entropy
-# Every kernel that reads class labels (patchdsl/codegen/labels.py): each case must give what
+# Every kernel that reads class labels (patchdsl/kernel_support/labels.py): each case must give what
 # F.cross_entropy gives on the same logits: the same exception class, or the same value / NaN / inf.
 LABEL_VOCAB, LABEL_HIDDEN = 300, 32
 LABEL_KERNELS = {

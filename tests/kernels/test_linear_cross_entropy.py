@@ -435,7 +435,7 @@ def test_fused_all_ignored_frozen_weight_and_no_grad():
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_fused_under_custom_ops_matches_eager(reduction):
     """The torch.library door (what torch.compile calls) gives the eager door's values."""
-    from patchdsl.codegen import custom_ops
+    from patchdsl.kernel_support import custom_ops
     n, hidden, n_vocab = 30, 32, 200
     h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=12)
     mod = kernels(n_vocab, hidden, "fp32", bias=True, mode="fused", reduction=reduction)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.codegen import custom_ops
+from patchdsl.kernel_support import custom_ops
 from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 

@@ -22,7 +22,7 @@ with ``ignore_index`` padding at the end (or ``shift_labels`` used as given), fp
 ``sum / num_items_in_batch`` when that is given, else the mean over labels that are not ignored
 (all ignored: NaN, as HF; ``num_items_in_batch=0``: inf/NaN, as HF), labels of a dtype torch's
 cross_entropy refuses are refused, and a label out of bounds raises IndexError on the CPU and
-trips a device-side assert on the GPU (``patchdsl/codegen/labels.py``).  One documented
+trips a device-side assert on the GPU (``patchdsl/kernel_support/labels.py``).  One documented
 difference: a call with ``shift_labels`` but no ``labels`` gets a loss (HF computes one only when
 ``labels`` is given).
 
