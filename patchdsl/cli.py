@@ -21,6 +21,7 @@ from ._version import __version__
 from . import files
 from .files import FileReadError
 from .syntax.errors import SpecError
+from .util.vocab import DTYPES, TARGETS
 
 # Exit codes, the same for every command (docs/reliability.md, "Exit codes"):
 EXIT_OK = 0            # the command did what was asked
@@ -169,7 +170,8 @@ def json_option(f):
                         help="Print one JSON document on stdout (an error document on failure).")(f)
 
 
-DTYPES = click.Choice(["fp32", "bf16", "fp16"])
+DTYPE_CHOICE = click.Choice(list(DTYPES))
+TARGET_CHOICE = click.Choice(list(TARGETS))
 
 
 def _default_dtype(device: str) -> str:
@@ -234,8 +236,8 @@ def print_plan(p, console=None, *, sites: bool = False, err: bool = False) -> No
 @main.command()
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
-@click.option("--dtype", type=DTYPES, help="Override the spec's dtype directive.")
-@click.option("--target", type=click.Choice(["cuda", "interpreter"]), help="Kernel target (default: detected).")
+@click.option("--dtype", type=DTYPE_CHOICE, help="Override the spec's dtype directive.")
+@click.option("--target", type=TARGET_CHOICE, help="Kernel target (default: detected).")
 @click.option("--sites", is_flag=True, help="A line per site (path, class, op, flags, rule) instead of a line per rule.")
 @json_option
 @include_dir_option
@@ -262,8 +264,8 @@ def plan(spec: str, model: str, dtype: str | None, target: str | None, sites: bo
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the generated kernels.")
-@click.option("--dtype", type=DTYPES, help="Override the spec's dtype directive.")
-@click.option("--target", type=click.Choice(["cuda", "interpreter"]),
+@click.option("--dtype", type=DTYPE_CHOICE, help="Override the spec's dtype directive.")
+@click.option("--target", type=TARGET_CHOICE,
               help="Kernel target (default: cuda with a GPU, else the Triton interpreter).")
 @json_option
 @include_dir_option
@@ -328,7 +330,7 @@ SEED = click.IntRange(0, 2 ** 63 - 1)
 @click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Measured training steps (default: 3 on CPU, 20 on GPU).")
 @click.option("--batch", type=click.IntRange(1, MAX_BATCH), help="Batch size (default: 1 on CPU, 16 on GPU).")
 @click.option("--seq", type=click.IntRange(2, MAX_SEQ), help="Sequence length (default: 16 on CPU, 2048 on GPU).")
-@click.option("--dtype", type=DTYPES, help="Model dtype (default: bf16 on GPU, fp32 on CPU, as verify).")
+@click.option("--dtype", type=DTYPE_CHOICE, help="Model dtype (default: bf16 on GPU, fp32 on CPU, as verify).")
 @click.option("--device", help="cpu or cuda[:N] (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
 @click.option("--lr", type=click.FloatRange(0, 10, min_open=True), default=1e-4, show_default=True, callback=_finite,
@@ -494,7 +496,7 @@ def _run_json(r, speed: bool) -> dict:
 @main.command()
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
-@click.option("--dtype", type=DTYPES,
+@click.option("--dtype", type=DTYPE_CHOICE,
               help="Dtype of the model under test (default: bf16 on GPU, fp32 on CPU, as apply); the reference "
                    "runs in float64.")
 @click.option("--batch", type=click.IntRange(1, MAX_BATCH), default=2, show_default=True,

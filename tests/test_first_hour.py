@@ -342,7 +342,7 @@ def test_unmeasured_hf_errors_show_as_a_dash_not_nan():
 def test_verify_takes_torch_dtypes_and_strings(given, name):
     import torch
 
-    from patchdsl.parity.run import _dtype_name
+    from patchdsl.util.vocab import canonical_dtype as _dtype_name
 
     assert _dtype_name(given) == name
     if given.startswith("torch."):

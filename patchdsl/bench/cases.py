@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from ..util.vocab import torch_dtype
+
 IGNORE_INDEX = -100
 
 
@@ -35,13 +37,6 @@ class NotImplementedYet(Exception):
     """The patchdsl op is not in the registry (its template has not landed yet)."""
 
 
-DTYPE_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def _randn(g, shape, device, dtype, scale: float = 1.0, shift: float = 0.0):

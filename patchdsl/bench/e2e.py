@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..util.vocab import torch_dtype
 from . import timing
 
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -128,12 +129,6 @@ class Row:
 def _log(o: E2EOptions, t0: float, msg: str) -> None:
     if not o.quiet:
         print(f"[e2e {time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 # ----------------------------------------------------------------------------- specs and rows
@@ -244,7 +239,7 @@ def build_model(o: E2EOptions):
     try:
         from ..model import load_model
 
-        lm = load_model(o.model, dtype=_torch_dtype(o.dtype), device=o.device, weights=False,
+        lm = load_model(o.model, dtype=torch_dtype(o.dtype), device=o.device, weights=False,
                         attn_implementation=o.attn, tiny=o.tiny, seed=o.seed, log=None)
         model, source = lm.model, lm.source
     except Exception as e:  # patchdsl.model missing or failing: the architecture from the constants
@@ -259,7 +254,7 @@ def build_model(o: E2EOptions):
         if dev.type == "cuda":
             torch.cuda.manual_seed_all(o.seed)
         with dev:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=_torch_dtype(o.dtype), attn_implementation=o.attn)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype(o.dtype), attn_implementation=o.attn)
         source = f"qwen3 from built-in hyperparameters ({type(e).__name__} from patchdsl.model: {e})"
     model.config.use_cache = False
     return model, source

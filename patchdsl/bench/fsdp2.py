@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS = ("ref64", "unpatched", "patched", "patched+compile", "unpatched+compile", "shard-then-patch")
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from . import timing
-from .cases import (DTYPE_SIZE, Family, NotImplementedYet, Unavailable, as_tuple, bind, families,
+from ..util.vocab import DTYPE_BYTES
+from .cases import (Family, NotImplementedYet, Unavailable, as_tuple, bind, families,
                     resolve_entry)
 
 IMPLS = ("patchdsl", "hf", "compile", "liger", "cce")
@@ -226,7 +227,7 @@ def run_unit(fam: Family, group: str, shape: dict, impl: str, ctx: Context) -> d
     o = ctx.opts
     dev = o.device
     cuda = timing.is_cuda(dev)
-    esize = DTYPE_SIZE[o.dtype]
+    esize = DTYPE_BYTES[o.dtype]
     rec: dict[str, Any] = {"op": fam.name, "op_name": fam.op, "group": group, "label": fam.label(shape),
                            "shape": {k: v for k, v in shape.items() if k != "label"}, "impl": impl,
                            "dtype": o.dtype, "status": "ok"}

@@ -250,7 +250,7 @@ def _time(fam: Family, run: Callable, shape: dict, o: Options, ctx: runner.Conte
     import torch
 
     dev = o.device
-    per_set = max(1.0, fam.nbytes(shape, runner.DTYPE_SIZE[o.dtype])["fwd"])
+    per_set = max(1.0, fam.nbytes(shape, runner.DTYPE_BYTES[o.dtype])["fwd"])
     k = int(min(32, max(1, math.ceil(4.0 * ctx.l2_bytes / per_set))))
     sets = [(fam.make_act(shape, o.dtype, dev, runner._gen(dev, o.seed + 10 + 2 * i)),
              fam.make_dys(shape, o.dtype, dev, runner._gen(dev, o.seed + 11 + 2 * i))) for i in range(k)]

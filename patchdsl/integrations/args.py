@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
-                 "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+from ..util.vocab import DTYPES, canonical_dtype
+
 LOG_LEVELS = ("totals", "sites", "none")
 
 
@@ -74,8 +74,8 @@ def validate_kpatch_fields(args: Any) -> None:
         for d in dts:
             if not isinstance(d, str):
                 raise ValueError(f"kpatch_dtype: each entry is a dtype name (fp32, bf16, fp16), got {d!r:.80}")
-            name = DTYPE_ALIASES.get(d.strip().lower().removeprefix("torch."))
-            if name is None:
+            name = canonical_dtype(d.strip().lower())
+            if name not in DTYPES:
                 raise ValueError(f"kpatch_dtype: unknown dtype {d!r}; use fp32, bf16 or fp16")
             if name not in out:
                 out.append(name)

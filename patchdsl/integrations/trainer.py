@@ -223,7 +223,7 @@ def _trl_fused_head(model: Any) -> bool:
 
 
 def _model_dtype_names(model: Any, training_args: Any) -> tuple[str, ...]:
-    from ..util.vocab import dtype_name
+    from ..util.vocab import DTYPES, dtype_name
 
     out = []
     p = next(model.parameters(), None)
@@ -233,7 +233,7 @@ def _model_dtype_names(model: Any, training_args: Any) -> tuple[str, ...]:
         out.append("bf16")
     if training_args is not None and getattr(training_args, "fp16", False):
         out.append("fp16")
-    return tuple(dict.fromkeys(d for d in out if d in ("fp32", "bf16", "fp16"))) or ("fp32",)
+    return tuple(dict.fromkeys(d for d in out if d in DTYPES)) or ("fp32",)
 
 
 def _verify_dtype(model: Any, training_args: Any) -> str:

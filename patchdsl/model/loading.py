@@ -29,17 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..util.vocab import DTYPE_ALIASES, DTYPES, TORCH_NAMES
+
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
                 "pytorch_model.bin", "pytorch_model.bin.index.json")
 PROBE_TIMEOUT_S = 3.0          # reachability probe before any remote download
 _TRUE = {"1", "on", "yes", "true"}
 
-_DTYPES = {
-    "fp32": "float32", "float32": "float32", "f32": "float32", "float": "float32",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16", "f16": "float16", "half": "float16",
-}
+# the dtype names load_model takes: the vocabulary's, its aliases, and f32 / f16
+_LOAD_ALIASES = {**DTYPE_ALIASES, "f32": "fp32", "f16": "fp16"}
+_DTYPES = {n: TORCH_NAMES[_LOAD_ALIASES.get(n, n)] for n in (*DTYPES, *_LOAD_ALIASES)}
 
 
 _NOT_PER_LAYER = {"architectures", "bos_token_id", "eos_token_id", "pad_token_id", "mlp_only_layers"}

@@ -22,6 +22,7 @@ from .base import FlagSpec, Op, CHUNK_MAX, SIZE_MAX
 from ..model.info import ModuleInfo
 from .cross_entropy import LOSS_FLAGS, ce_block, loss_kernel_name, loss_params, num_tag
 from .registry import register
+from ..util.vocab import DTYPE_BYTES
 
 # Auto chunk on the GPU: the largest power-of-two token count whose logits fit this many bytes.
 # H200, bf16, 16384 x 1024 x 151936, fwd+bwd: 208 tokens (64 MB) 42.2 ms, 512 30.1 ms, 1024 27.5 ms,
@@ -30,13 +31,12 @@ CHUNK_BUDGET = 640 * 2**20
 FP32_ACC_BUDGET = 64 * 2**20  # an fp32 copy of grad_weight is kept when it is at most this big
 INTERP_CHUNK = 16             # tokens per chunk on the interpreter (small, so tests see several chunks)
 MAX_CHUNK = 8192
-ELT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def auto_chunk(vocab: int, dtype: str, target: str) -> int:
     if target == "interpreter":
         return INTERP_CHUNK
-    rows = CHUNK_BUDGET // (vocab * ELT.get(dtype, 4))
+    rows = CHUNK_BUDGET // (vocab * DTYPE_BYTES.get(dtype, 4))
     chunk = 16
     while chunk * 2 <= min(rows, MAX_CHUNK):
         chunk *= 2

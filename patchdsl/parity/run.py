@@ -22,28 +22,13 @@ from typing import Any, Callable
 from .compare import Errors, Tolerance, errors, judge, tolerance_for
 from .hooks import Capture, cast_to, run_host, run_site
 from .moe import eager_experts, is_routed_call, router_checks, routing_grads
+from ..model.modules import decoder_layers
+from ..util.vocab import DTYPES, canonical_dtype, torch_dtype
 from .reference import float64_mode
 from .report import Check, ParityReport
-from .stream import (MODES, Float64Tally, VerifyError, StreamedReference, VerifyOutOfMemory, choose, decoder_layers, estimate,
+from .stream import (MODES, Float64Tally, VerifyError, StreamedReference, VerifyOutOfMemory, choose, estimate,
                      truncate_layers)
 
-TORCH_DTYPES = ("fp32", "bf16", "fp16")
-
-
-_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float": "fp32", "half": "fp16"}
-
-
-def _dtype_name(dtype: Any) -> Any:
-    """"bf16", "bfloat16", "torch.bfloat16" or torch.bfloat16 -> "bf16" (other values unchanged)."""
-    s = str(dtype)
-    s = s[len("torch."):] if s.startswith("torch.") else s
-    return _DTYPE_ALIASES.get(s, s)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[name]
 
 
 def _prepare(model: Any, dtype: Any, device: Any) -> Any:
@@ -279,9 +264,9 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
     """
     import torch
 
-    dtype = _dtype_name(dtype)
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)} (or torch.float32, torch.bfloat16, "
+    dtype = canonical_dtype(dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or torch.float32, torch.bfloat16, "
                          f"torch.float16), got {dtype!r}")
     if batch < 1 or seq < 2 or steps < 0:
         raise ValueError("need batch >= 1, seq >= 2 and steps >= 0")
@@ -341,7 +326,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     if target == "cuda" and device.type != "cuda":
         raise ValueError(f"the kernels are compiled for cuda; run verify with device='cuda', not {device}")
     tol = tolerance_for(dtype, factor, floor)
-    dt = _torch_dtype(dtype)
+    dt = torch_dtype(dtype)
 
     stage("building the model")
     base = _base(model_or_factory)

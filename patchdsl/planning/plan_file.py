@@ -19,6 +19,7 @@ from ..ops.base import FlagTypeError
 from ..ops.attention_impl import KNOWN as KNOWN_ATTENTION
 from ..ops.attention_impl import AttentionChoice, attention_problem
 from ..ops.registry import get_op
+from ..util.vocab import DTYPES, TARGETS
 from .site import Site, SiteError, build_site, count_totals
 
 PLAN_FORMAT = 1
@@ -39,8 +40,6 @@ class PlanError(ValueError):
         super().__init__(text)
 
 
-_DTYPES = ("fp32", "bf16", "fp16")
-_TARGETS = ("cuda", "interpreter")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PATH = re.compile(r"(?:[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)?")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -118,7 +117,7 @@ def _module_info(path: str, m: Any) -> ModuleInfo:
         kinds[k] = {_ident(n, f"{where}.kinds.{k}"): check_fact(n, v, f"{where}.kinds.{k}.{n}")
                     for n, v in _obj(f, f"{where}.kinds.{k}").items()}
     dtype = m.get("dtype")
-    _need(dtype is None or dtype in _DTYPES, f"{where}.dtype", f"expected one of {', '.join(_DTYPES)} or null")
+    _need(dtype is None or dtype in DTYPES, f"{where}.dtype", f"expected one of {', '.join(DTYPES)} or null")
     return ModuleInfo(path, _ident(m.get("class"), f"{where}.class"),
                       tuple(_ident(b, f"{where}.bases") for b in _list(m.get("bases", []), f"{where}.bases")),
                       kinds, dtype,
@@ -219,11 +218,11 @@ def plan_fields(d: Any) -> tuple:
         d = _obj(d, "plan")
         _need(d.get("format") == PLAN_FORMAT, "plan.format", f"expected {PLAN_FORMAT} (a plan written by this version)")
         target = d.get("target")
-        _need(target in _TARGETS, "plan.target", f"expected one of {', '.join(_TARGETS)}")
+        _need(target in TARGETS, "plan.target", f"expected one of {', '.join(TARGETS)}")
         dtypes = tuple(_list(d.get("dtypes"), "plan.dtypes"))
-        _need(0 < len(dtypes) <= 3 and all(isinstance(x, str) and x in _DTYPES for x in dtypes)
+        _need(0 < len(dtypes) <= 3 and all(isinstance(x, str) and x in DTYPES for x in dtypes)
               and len(set(dtypes)) == len(dtypes),
-              "plan.dtypes", f"expected distinct values among {', '.join(_DTYPES)}")
+              "plan.dtypes", f"expected distinct values among {', '.join(DTYPES)}")
         model_type = d.get("model_type")
         _need(model_type is None or (isinstance(model_type, str) and bool(_FACT_STRINGS.fullmatch(model_type))),
               "plan.model_type", "expected a short identifier or null")

@@ -38,6 +38,7 @@ from ..model.info import ModuleInfo
 from ..ops.base import Op
 from ..util.vocab import dtype_name
 from ..ops.registry import get_op
+from ..util.vocab import DTYPES, dtype_name, torch_dtype
 from ..planning.plan import PatchPlan
 from ..planning.plan_file import PlanError
 from ..planning.availability import Unavailable, resolve_here
@@ -62,7 +63,6 @@ class _Missing:
 
 _MISSING = _Missing()
 SITE_ATTR = "_patchdsl_site"
-KERNEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class PatchError(RuntimeError):
@@ -113,7 +113,7 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
                     f"torch.compile traced the model (loaded: {have}); add {dtype_name(dt)} to the spec's "
                     "dtype line, or run one eager step first")
             name = dtype_name(dt)
-            if name not in KERNEL_DTYPES:
+            if name not in DTYPES:
                 raise UnsupportedDtype(
                     f"{op.name} has kernels for float32, bfloat16 and float16 only, not {dt} (was the model cast "
                     f"after patchdsl.apply? call handle.undo() before casting, then apply again)")
@@ -128,7 +128,7 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
         import torch
 
         for d in preload:
-            get(getattr(torch, KERNEL_DTYPES[d]))
+            get(torch_dtype(d))
     return get
 
 
@@ -450,7 +450,7 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
     if reason:
         raise PatchError(f"refused {op_name} on {type(module).__name__}: {reason}")
     # the module's own dtype is loaded now: a kernel cannot be loaded while torch.compile traces
-    preload = [info.dtype] if info.dtype in ("fp32", "bf16", "fp16") else []
+    preload = [info.dtype] if info.dtype in DTYPES else []
     kernels = kernel_getter(op, info, resolved, target, preload)
     for obj, attr, value in op.install(module, kernels, resolved, info):
         if attr == "forward" and not op.wraps_instance_forward:
