@@ -18,8 +18,8 @@ from pathlib import Path
 import click
 
 from ._version import __version__
-from . import files
-from .files import FileReadError
+from .util import files
+from .util.files import FileReadError
 from .syntax.errors import SpecError
 from .util.vocab import DTYPES, TARGETS
 
@@ -89,7 +89,7 @@ class _Group(click.Group):
             fail(f"error: {e}", "input")
         except FileNotFoundError as e:
             fail(f"error: {e}", "input")
-        except FileReadError as e:           # an untrusted file that cannot be read (patchdsl.files)
+        except FileReadError as e:           # an untrusted file that cannot be read (patchdsl.util.files)
             fail(f"error: {e}", "input")
         except click.UsageError as e:        # a bad option: click's message, exit 2 (and the JSON document)
             _json_error(ctx, e.format_message(), EXIT_BAD_INPUT, "usage")

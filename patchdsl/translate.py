@@ -195,8 +195,8 @@ def translate(mapping: Mapping[str, Any], model: Any, *, device: str = "cuda", s
 
 def load_mapping(path: str) -> Any:
     """The mapping of a JSON file (a saved KernelConfig's ``kernel_mapping`` is taken from it);
-    read through :mod:`patchdsl.files` (``FileReadError``, a ValueError, when it cannot be)."""
-    from .files import read_json
+    read through :mod:`patchdsl.util.files` (``FileReadError``, a ValueError, when it cannot be)."""
+    from .util.files import read_json
 
     data = read_json(path, "mapping", what="kernel mapping")
     if isinstance(data, dict) and "kernel_mapping" in data and isinstance(data["kernel_mapping"], dict):

@@ -22,7 +22,7 @@ from patchdsl.codegen.cache import CacheError, CacheWarning, check_text, file_te
 from patchdsl.codegen.render import CodegenError, _env, literal
 from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
-from patchdsl.resources import templates_dir
+from patchdsl.util.resources import templates_dir
 
 
 def _key(hidden=32, dtype="fp32", **facts):

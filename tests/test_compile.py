@@ -24,7 +24,7 @@ import patchdsl
 from patchdsl.kernel_support import custom_ops
 from patchdsl.ops.registry import ops
 from patchdsl.parity.compare import FLOORS
-from patchdsl.resources import shipped_spec
+from patchdsl.util.resources import shipped_spec
 from patchdsl.syntax import load_spec
 
 from .families import FAMILIES, tiny_model

@@ -10,7 +10,7 @@ import pytest
 
 from patchdsl.parity import verify
 from patchdsl.planning.planner import plan
-from patchdsl.resources import shipped_spec
+from patchdsl.util.resources import shipped_spec
 from patchdsl.syntax import load_spec
 
 from .kernels.helpers import tiny_family

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from patchdsl.planning.check import check_spec
-from patchdsl.resources import specs_dir
+from patchdsl.util.resources import specs_dir
 from patchdsl.syntax import SpecError, parse_spec
 from patchdsl.syntax.parser import read_spec
 from patchdsl.syntax.selectors import compile_selector

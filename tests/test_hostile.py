@@ -765,7 +765,7 @@ def _files_cases(tmp):
 
 
 def test_files_reader_table(tmp_path):
-    from patchdsl.files import FileReadError, read_data
+    from patchdsl.util.files import FileReadError, read_data
 
     for path, kind, expected in _files_cases(tmp_path):
         with no_hang(10):
@@ -787,7 +787,7 @@ def test_files_reader_table(tmp_path):
     ("[1,]", "syntax"),
 ])
 def test_parse_json_bounds(text, reason):
-    from patchdsl.files import FileReadError, parse_json
+    from patchdsl.util.files import FileReadError, parse_json
 
     if reason is None:
         parse_json(text, "t")

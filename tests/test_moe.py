@@ -308,7 +308,7 @@ SHIPPED = [f for f, (_, _, spec) in MOE_FAMILIES.items() if spec]
 @pytest.mark.parametrize("family", SHIPPED)
 def test_shipped_moe_spec_verifies(family):
     from patchdsl import verify
-    from patchdsl.resources import shipped_spec
+    from patchdsl.util.resources import shipped_spec
     from patchdsl.syntax import load_spec, parse_spec
 
     path = shipped_spec(MOE_FAMILIES[family][2])
@@ -497,7 +497,7 @@ def test_streamed_verify_with_router_logits_on_leaves_the_aux_loss_out():
     recorders never see the routers): with output_router_logits on in the config, verify runs all three
     copies with it off and says so, instead of crashing in load_balancing_loss_func."""
     from patchdsl import verify
-    from patchdsl.resources import shipped_spec
+    from patchdsl.util.resources import shipped_spec
 
     said = []
     r = verify(shipped_spec("mixtral"), lambda: tiny_moe_model("mixtral", num_hidden_layers=2, output_router_logits=True,

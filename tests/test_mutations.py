@@ -420,7 +420,7 @@ def _template_of(op: str) -> str | None:
     o = get_op(op)
     if o is None:
         return None
-    from patchdsl.resources import templates_dir
+    from patchdsl.util.resources import templates_dir
 
     return o.template if (templates_dir() / o.template).is_file() else None
 

@@ -140,7 +140,7 @@ def test_totals_and_json_roundtrip(index):
 
 
 def test_qwen3_shipped_spec_covers_every_norm_mlp_and_head(qwen3_meta):
-    from patchdsl.resources import shipped_spec
+    from patchdsl.util.resources import shipped_spec
     from patchdsl.syntax import load_spec
 
     p = plan(load_spec(shipped_spec("qwen3")), qwen3_meta, target="interpreter")
@@ -162,7 +162,7 @@ def test_cli_plan_full_qwen3_offline():
     from click.testing import CliRunner
 
     from patchdsl.cli import main
-    from patchdsl.resources import shipped_spec
+    from patchdsl.util.resources import shipped_spec
 
     r = CliRunner().invoke(main, ["plan", str(shipped_spec("qwen3")), "--model", "Qwen/Qwen3-0.6B", "--json"])
     assert r.exit_code == 0, r.output

@@ -8,7 +8,7 @@ import torch
 
 import patchdsl
 from patchdsl.planning.planner import plan
-from patchdsl.resources import shipped_spec
+from patchdsl.util.resources import shipped_spec
 from patchdsl.runtime import PatchError, apply
 from patchdsl.syntax import load_spec
 

@@ -3,7 +3,7 @@
 import pytest
 
 from patchdsl.parity import verify
-from patchdsl.resources import shipped_spec
+from patchdsl.util.resources import shipped_spec
 from patchdsl.syntax import load_spec
 
 from .families import FAMILIES, tiny_model

@@ -4,7 +4,7 @@ the Trainer's own in-place ``loss *= ...`` scaling, so every shipped spec crashe
 import pytest
 import torch
 
-from patchdsl.resources import specs_dir
+from patchdsl.util.resources import specs_dir
 
 from .families import FAMILIES, tiny_model
 from .moe_families import MOE_FAMILIES, tiny_moe_model

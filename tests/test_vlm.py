@@ -21,7 +21,7 @@ import torch
 from patchdsl.model.forward import causal_lm
 from patchdsl.parity import verify
 from patchdsl.planning.planner import plan
-from patchdsl.resources import shipped_spec
+from patchdsl.util.resources import shipped_spec
 from patchdsl.runtime import PatchError, apply, patch_module
 from patchdsl.syntax import load_spec
 

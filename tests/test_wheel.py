@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = r"""
 import sys, patchdsl
 from pathlib import Path
-from patchdsl.resources import grammar_path, templates_dir, specs_dir, shipped_spec
+from patchdsl.util.resources import grammar_path, templates_dir, specs_dir, shipped_spec
 site = Path(sys.argv[1]).resolve()
 for p in (grammar_path(), templates_dir(), specs_dir()):
     assert site in p.resolve().parents, (p, site)

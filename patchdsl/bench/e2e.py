@@ -155,7 +155,7 @@ def _model_type(model: str) -> str | None:
 
 def default_spec(model: str) -> str:
     """The shipped spec of ``model``'s family (``specs/<family>.kpatch``), by its model_type."""
-    from ..resources import specs_dir
+    from ..util.resources import specs_dir
 
     mt = _model_type(model)
     if mt:
@@ -174,7 +174,7 @@ def bench_specs_dir() -> Path:
 
 def resolve_spec(spec: str) -> str:
     """A path, a shipped name (``qwen3``) or a bench variant (``qwen3_addnorm``) -> an existing path."""
-    from ..resources import specs_dir
+    from ..util.resources import specs_dir
 
     p = Path(spec).expanduser()
     if p.is_file():

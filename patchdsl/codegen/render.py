@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import jinja2
 
 from .._version import __version__
-from ..resources import templates_dir
+from ..util.resources import templates_dir
 from ..util.vocab import DTYPES, TARGETS
 from .keys import KernelKey
 

@@ -93,7 +93,7 @@ def parse_liger_argument(text: str) -> tuple[bool, dict[str, bool] | None]:
     ``use_liger_kernel`` and/or ``liger_kernel_config`` (other keys of such a file are ignored).
     Returns ``(use_liger_kernel, liger_kernel_config or None)``.
     """
-    from ..files import FileReadError, read_data, show
+    from ..util.files import FileReadError, read_data, show
 
     src = "--liger"
     if text.startswith("@"):
@@ -135,7 +135,7 @@ def _shown(v: Any) -> str:
 
 
 def _json(text: str, src: str) -> Any:
-    from ..files import FileReadError, LIMITS, parse_json
+    from ..util.files import FileReadError, LIMITS, parse_json
 
     if len(text) > LIMITS["json"]:
         raise LigerConfigError(f"{src} is too large ({len(text):,} characters; at most {LIMITS['json']:,})")

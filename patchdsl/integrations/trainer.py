@@ -183,7 +183,7 @@ def liger_switches(training_args: Any) -> tuple[bool, Any]:
     if isinstance(cfg, str):
         from .liger import LigerConfigError
 
-        from ..files import FileReadError, LIMITS, parse_json
+        from ..util.files import FileReadError, LIMITS, parse_json
 
         if len(cfg) > LIMITS["json"]:
             raise LigerConfigError(f"liger_kernel_config is too large ({len(cfg):,} characters)")

@@ -68,7 +68,7 @@ def shipped_models() -> list[str]:
 
 
 def shipped_config_path(hub_id: str) -> Path | None:
-    from ..files import is_file
+    from ..util.files import is_file
 
     p = CONFIGS_DIR / _id_to_file(hub_id)
     if is_file(p):
@@ -101,7 +101,7 @@ def _offline() -> bool:
 
 
 def _read_config_dict(path: Path) -> dict:
-    from ..files import FileReadError, read_json
+    from ..util.files import FileReadError, read_json
 
     try:
         d = read_json(path, "config", what="model config")
@@ -220,7 +220,7 @@ def _transformers_version() -> str:
 
 
 def _has_weights(directory: Path) -> bool:
-    from ..files import is_file
+    from ..util.files import is_file
 
     return any(is_file(directory / f) for f in WEIGHT_FILES)
 
@@ -525,7 +525,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
     # 1. local directory or config.json
     hub_shaped = not _looks_like_path(spec_s)
     # a folder named like a Hub id but without config.json does not shadow the Hub id
-    from ..files import exists, is_dir, is_file, show
+    from ..util.files import exists, is_dir, is_file, show
 
     local = exists(path) and not (is_dir(path) and not is_file(path / "config.json") and hub_shaped)
     if local:
@@ -592,7 +592,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
                 return from_config(_read_config_dict(Path(p)), "its config.json from the Hub", why)
             except Exception as e:  # noqa: BLE001 - any Hub failure means "not available"
                 hub_problem = _one_line(e)
-    from ..files import show
+    from ..util.files import show
 
     hub_note = ("the Hub was not tried (HF_HUB_OFFLINE is set)" if offline
                 else f"the Hub did not provide it ({hub_problem})")

@@ -104,7 +104,7 @@ def spec_text(family: str, without: tuple[str, ...] = ()) -> str:
     interpreter at 32 steps; verify's tests and the GPU run cover them)."""
     import re
 
-    from ..resources import shipped_spec
+    from ..util.resources import shipped_spec
 
     text = shipped_spec(FAMILIES[family].spec).read_text()
     if not without:

@@ -98,7 +98,7 @@ class PatchPlan:
 
     @classmethod
     def loads(cls, text: str) -> "PatchPlan":
-        from ..files import FileReadError, parse_json
+        from ..util.files import FileReadError, parse_json
 
         try:
             d = parse_json(text, "the plan")
@@ -108,9 +108,9 @@ class PatchPlan:
 
     @classmethod
     def load(cls, path: "str | os.PathLike") -> "PatchPlan":
-        """A plan file, read through :mod:`patchdsl.files` (a regular file of at most 64 MiB, UTF-8,
+        """A plan file, read through :mod:`patchdsl.util.files` (a regular file of at most 64 MiB, UTF-8,
         bounded nesting) and checked by :meth:`loads`.  Raises :class:`PlanError`."""
-        from ..files import FileReadError, read_text
+        from ..util.files import FileReadError, read_text
 
         try:
             text = read_text(path, "plan", what="plan file")

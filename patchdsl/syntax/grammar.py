@@ -8,7 +8,7 @@ from functools import lru_cache
 from lark import Lark
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
-from ..resources import grammar_path
+from ..util.resources import grammar_path
 from .ast import Span
 from .errors import SpecError, clip
 

@@ -8,8 +8,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import files
-from ..resources import specs_dir
+from ..util import files
+from ..util.resources import specs_dir
 from .ast import Span
 from .errors import MAX_ERRORS, SpecError, clip, did_you_mean
 

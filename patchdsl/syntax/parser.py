@@ -28,7 +28,7 @@ from pathlib import Path
 
 from lark.exceptions import UnexpectedInput, VisitError
 
-from .. import files
+from ..util import files
 from .ast import AttentionDirective, DefaultDirective, Rule, Span, Spec
 from .errors import SpecError
 from .grammar import lark_parser, syntax_error
