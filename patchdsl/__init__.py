@@ -27,19 +27,19 @@ __all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply
            "graph_step", "GraphStepError", "compile_model", "compile_layers"]
 
 _LAZY = {
-    "PatchdslArguments": ("patchdsl.integrations.args", "PatchdslArguments"),
-    "PatchdslCallback": ("patchdsl.integrations.trainer", "PatchdslCallback"),
-    "patch_for_training": ("patchdsl.integrations.trainer", "patch_for_training"),
-    "graph_step": ("patchdsl.runtime.graphs", "graph_step"),           # CUDA-graph capture of a training step
-    "GraphStepError": ("patchdsl.runtime.graphs", "GraphStepError"),
-    "compile_model": ("patchdsl.runtime.compile", "compile_model"),     # torch.compile, mask as in eager
-    "compile_layers": ("patchdsl.runtime.compile", "compile_layers"),   # regional compile: each decoder layer
+    "PatchdslArguments": ("patchdsl.training.args", "PatchdslArguments"),
+    "PatchdslCallback": ("patchdsl.training.trainer", "PatchdslCallback"),
+    "patch_for_training": ("patchdsl.training.trainer", "patch_for_training"),
+    "graph_step": ("patchdsl.training.graphs", "graph_step"),           # CUDA-graph capture of a training step
+    "GraphStepError": ("patchdsl.training.graphs", "GraphStepError"),
+    "compile_model": ("patchdsl.training.compile", "compile_model"),     # torch.compile, mask as in eager
+    "compile_layers": ("patchdsl.training.compile", "compile_layers"),   # regional compile: each decoder layer
 }
 
 
 def __getattr__(name: str):
     if name == "TrainingArguments":
-        from .integrations.args import training_arguments_class
+        from .training.args import training_arguments_class
 
         value = training_arguments_class()
     elif name in _LAZY:

@@ -353,7 +353,7 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     from .planning import text as plantext
     from .planning.site import count_totals
     from .planning.planner import plan as make_plan
-    from .workload import Workload, compare_runs
+    from .training.workload import Workload, compare_runs
 
     console = _console(stderr=as_json)        # with --json, stdout carries the document only
 
@@ -603,7 +603,7 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
     if model is None:
         raise UsageFailure("translate needs --model M: the spec depends on the model's modules")
     if kernel_mapping:
-        from .translate import MappingError, load_mapping, translate as run_translate
+        from .interop.translate import MappingError, load_mapping, translate as run_translate
 
         try:
             mapping = load_mapping(kernel_mapping)
@@ -617,7 +617,7 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
             raise UsageFailure(f"{kernel_mapping}: {e}") from None
         return
     from .model.index import build_index
-    from .integrations.liger import parse_liger_argument, translate_liger
+    from .interop.liger import parse_liger_argument, translate_liger
 
     use, cfg = parse_liger_argument(liger)
     loaded = _load_model(model, meta=True, log=lambda m: None)

@@ -23,7 +23,7 @@ import torch._dynamo
 import patchdsl
 from patchdsl.kernel_support import custom_ops
 from patchdsl.parity.compare import FLOORS
-from patchdsl.runtime import compile as pcompile
+from patchdsl.training import compile as pcompile
 from patchdsl.syntax import load_spec
 
 from .families import tiny_model
@@ -254,7 +254,7 @@ def test_compile_layers_refuses_a_model_without_decoder_layers():
 
 @pytest.mark.parametrize("how", ["mode", "inductor_flag"])
 def test_graph_step_refuses_a_model_compiled_with_its_own_cuda_graphs(how):
-    from patchdsl.runtime.graphs import GraphStepError, graph_step
+    from patchdsl.training.graphs import GraphStepError, graph_step
 
     model = patched(layers=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
@@ -280,7 +280,7 @@ def test_graph_step_refuses_a_model_compiled_with_its_own_cuda_graphs(how):
 def test_gpu_graph_step_captures_compiled_layers():
     """compile_layers + graph_step: the compiled layers are traced during graph_step's warm-up and
     replayed inside its CUDA graph; losses equal the eager patched model's."""
-    from patchdsl.runtime.graphs import graph_step
+    from patchdsl.training.graphs import graph_step
 
     def build():
         m = tiny_model("qwen3", num_hidden_layers=2).cuda().train()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import patchdsl
-from patchdsl.posttrain import distill_loss
+from patchdsl.training.posttrain import distill_loss
 
 from .families import tiny_model
 from .kernels.helpers import gjsd_per_token
@@ -119,7 +119,7 @@ def test_gkd_trainer_compute_loss_patched_equals_trl(beta):
     gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
     from types import SimpleNamespace
 
-    from patchdsl.posttrain import FusedGKDLoss
+    from patchdsl.training.posttrain import FusedGKDLoss
 
     teacher = tiny_model("qwen3", seed=2, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
     plain = tiny_model("qwen3", seed=1)

@@ -417,7 +417,7 @@ def distribution(name):
         raise importlib.metadata.PackageNotFoundError(name)
     return _dist(name)
 importlib.metadata.version, importlib.metadata.distribution = version, distribution
-import patchdsl.workload, patchdsl.runtime, patchdsl.codegen, patchdsl.planning.text
+import patchdsl.training.workload, patchdsl.runtime, patchdsl.codegen, patchdsl.planning.text
 from patchdsl.cli import main
 main(["plan", "qwen3", "-m", "Qwen/Qwen3-0.6B"], prog_name="patchdsl")
 """

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import patchdsl
-from patchdsl.runtime.graphs import (GraphStepError, UnpatchedModelWarning, batch_signature,
+from patchdsl.training.graphs import (GraphStepError, UnpatchedModelWarning, batch_signature,
                                      describe_signature_change, graph_step, micro_slices)
 
 from .families import tiny_config
@@ -124,7 +124,7 @@ def test_batch_signature_and_its_differences_in_words():
 
 
 def test_sync_ops_are_named_in_words():
-    from patchdsl.runtime.graphs import _op_words
+    from patchdsl.training.graphs import _op_words
 
     assert _op_words(str(torch.ops.aten._local_scalar_dense.default)) == (
         "aten._local_scalar_dense.default (Tensor.item(), or a CUDA tensor used as a Python number or bool "
@@ -142,7 +142,7 @@ def test_micro_slices(rows, micro, want):
 
 
 def test_a_changed_float_lr_is_explained_with_the_tensor_lr_fix():
-    from patchdsl.runtime.graphs import _hyper_change, _hyper_snapshot
+    from patchdsl.training.graphs import _hyper_change, _hyper_snapshot
 
     m = Tiny()
     opt = _opt(m)
@@ -177,7 +177,7 @@ def test_kpatch_cuda_graphs_field_is_validated_and_parsed():
 
 @pytest.mark.parametrize("spec", ["qwen3", None])
 def test_the_trainer_refuses_cuda_graphs_at_setup_with_the_reasons(spec, tmp_path):
-    from patchdsl.integrations.trainer import TRAINER_GRAPHS_REASONS, TrainerGraphsRefused
+    from patchdsl.training.trainer import TRAINER_GRAPHS_REASONS, TrainerGraphsRefused
 
     args = patchdsl.PatchdslArguments(kpatch_spec=spec, kpatch_cuda_graphs=True)
     with pytest.raises(TrainerGraphsRefused) as ei:
@@ -339,7 +339,7 @@ def test_gpu_a_padded_batch_is_graphed_where_transformers_skips_its_mask_check_i
     """transformers checks a padding mask on the host (`mask.all()`) unless is_tracing() says a CUDA stream
     captures; where it says so, the checked warm-up takes the capture's path and a padded batch gives eager's
     losses; elsewhere the sync is refused with the way out."""
-    from patchdsl.runtime.graphs import _as_if_capturing
+    from patchdsl.training.graphs import _as_if_capturing
     import transformers.utils.import_utils as iu
 
     def padded(b):
@@ -522,7 +522,7 @@ def _stand_in_record(self, static):
 def stand_in(monkeypatch):
     from contextlib import nullcontext
 
-    from patchdsl.runtime import graphs
+    from patchdsl.training import graphs
 
     class Stream:                  # a class (transformers annotates with `torch.cuda.Stream | None`)
         def __init__(self, *a, **k):
@@ -724,7 +724,7 @@ def test_the_checked_warm_up_answers_is_cuda_stream_capturing_only_where_is_trac
     """_as_if_capturing makes transformers take its in-capture path during the sync-checked warm-up, and
     leaves a version whose is_tracing() does not consult capture alone (there the capture would hit the sync)."""
     import types
-    from patchdsl.runtime import graphs
+    from patchdsl.training import graphs
 
     def make(consults: bool):
         mod = types.ModuleType("transformers.utils.import_utils")
@@ -785,7 +785,7 @@ def test_a_capture_drops_the_causal_mask_where_eager_does(decision, monkeypatch)
     14.6 ms).  With a custom loss (positions unknown) the mask is kept; a padded batch keeps eager's mask."""
     import transformers.masking_utils as mu
     from transformers import AutoModelForCausalLM
-    from patchdsl.runtime import graphs
+    from patchdsl.training import graphs
 
     if decision == "5.17":
         monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", _ignore_causal_mask_sdpa_517)
@@ -827,7 +827,7 @@ def test_a_capture_drops_the_causal_mask_where_eager_does(decision, monkeypatch)
 def test_the_mask_decision_keeps_the_capture_answer_for_a_tensor_offset_and_restores_itself(monkeypatch):
     """Only calls that read no tensor are decided with the capture flag off; the original functions come back."""
     import types
-    from patchdsl.runtime import graphs
+    from patchdsl.training import graphs
 
     iu = types.ModuleType("transformers.utils.import_utils")
     iu.is_cuda_stream_capturing = lambda: True

@@ -560,7 +560,7 @@ MAPPINGS = [
 
 @pytest.mark.parametrize("mapping, expected", MAPPINGS, ids=[json.dumps(m)[:70] for m, _ in MAPPINGS])
 def test_translate_mapping_values(mapping, expected):
-    from patchdsl.translate import MappingError, translate
+    from patchdsl.interop.translate import MappingError, translate
 
     model = tiny_model("llama")
     if expected.startswith("error: "):
@@ -624,7 +624,7 @@ CONFIG_CASES = [
 
 @pytest.mark.parametrize("config, expected", CONFIG_CASES, ids=[_case_id(c) for c, _ in CONFIG_CASES])
 def test_callback_config_refuses_what_it_cannot_read(config, expected):
-    from patchdsl.integrations.trainer import spec_from_config
+    from patchdsl.training.trainer import spec_from_config
 
     if isinstance(expected, int):
         assert len(spec_from_config(config)[0].rules) == expected

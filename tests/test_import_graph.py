@@ -145,22 +145,20 @@ def test_detector_finds_each_kind_of_circle(name, tmp_path):
 # The leaf utilities (util: vocabulary, files, resources; _version) may be imported by any part.
 UTILITIES = {"util", "_version"}
 LAYERS = {
-    "cli": {"workload", "translate", "integrations", "bench", "parity", "runtime", "planning", "codegen", "model",
-            "syntax", "ops", "census"},
+    "cli": {"training", "interop", "bench", "parity", "runtime", "planning", "codegen", "model", "syntax", "ops",
+            "census"},
     "census": {"planning", "parity", "model"},
-    "bench": {"parity", "runtime", "planning", "codegen", "kernel_support", "model", "ops", "__init__"},
-    "integrations": {"parity", "runtime", "planning", "model", "ops", "syntax"},
+    "bench": {"parity", "training", "runtime", "planning", "codegen", "kernel_support", "model", "ops", "__init__"},
+    "training": {"interop", "parity", "runtime", "planning", "model", "ops", "syntax"},
+    "interop": {"model", "ops", "syntax"},
     "parity": {"runtime", "planning", "codegen", "model", "ops"},
     "runtime": {"planning", "codegen", "kernel_support", "model", "ops"},
     "planning": {"codegen", "model", "ops", "syntax"},
     "codegen": {"kernel_support", "model", "ops"},
     "kernel_support": set(),
-    "translate": {"model", "ops"},
     "ops": {"model", "syntax"},
     "model": set(),
     "syntax": set(),
-    "workload": {"runtime"},
-    "posttrain": {"runtime"},
     "docgen": {"model", "ops"},
 }
 

@@ -350,7 +350,7 @@ def _meta_qwen3():
     ({"rocm": "org/norms:A"}, "cuda", "# RMSNorm: no entry for cuda; kernelize keeps the original forward"),
 ])
 def test_each_mapping_value_form_translates(value, device, rule):
-    from patchdsl.translate import translate
+    from patchdsl.interop.translate import translate
 
     text = translate({"RMSNorm": value}, _meta_qwen3(), device=device)
     assert rule in text
@@ -364,14 +364,14 @@ def test_each_mapping_value_form_translates(value, device, rule):
     ({"RMSNorm": {"gpu": "org/x:Y"}}, "unknown device 'gpu'"),
 ])
 def test_bad_mappings_are_errors(mapping, message):
-    from patchdsl.translate import MappingError, translate
+    from patchdsl.interop.translate import MappingError, translate
 
     with pytest.raises(MappingError, match=message.replace("(", r"\(").replace(")", r"\)")):
         translate(mapping, _meta_qwen3())
 
 
 def test_function_kernels_are_listed_not_translated():
-    from patchdsl.translate import translate
+    from patchdsl.interop.translate import translate
 
     text = translate({"rotary_pos_emb": "org/rope:apply"}, _meta_qwen3())
     assert "# rotary_pos_emb: a function kernel" in text and "->" not in text
@@ -381,7 +381,7 @@ def test_translated_spec_patches_what_kernelize_replaces(tmp_path):
     """The kernels library's own kernelize, given transformers' layer names, against our plan."""
     from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
 
-    from patchdsl.translate import layer_names, translate
+    from patchdsl.interop.translate import layer_names, translate
 
     repo = norm_repo(tmp_path / "good")
     model = tiny_qwen3(layers=2)()

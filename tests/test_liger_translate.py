@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from patchdsl.planning.check import check_spec
 from patchdsl.cli import main
 from patchdsl.model.index import build_index
-from patchdsl.integrations.liger import (LIGER_KEYS, LigerConfigError, liger_defaults, parse_liger_argument,
+from patchdsl.interop.liger import (LIGER_KEYS, LigerConfigError, liger_defaults, parse_liger_argument,
                                         translate_liger)
 from patchdsl.model import load_model
 from patchdsl.planning.planner import plan

@@ -1,5 +1,5 @@
 """Post-training on fused_linear_logprobs: the patched model's per-token outputs, the DPO/GRPO
-losses of patchdsl.posttrain against float64 re-implementations of TRL's formulas, and TRL's own
+losses of patchdsl.training.posttrain against float64 re-implementations of TRL's formulas, and TRL's own
 trainers (DPOTrainer end to end, GRPOTrainer's loss on recorded rollouts) patched vs unpatched.
 
 TRL's "unpatched path" is its own fused LM head (``trl.trainer.utils.add_fused_lm_head``, which its
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import patchdsl
-from patchdsl.posttrain import (completion_labels, dpo_loss, grpo_loss, patch_trainer, sequence_logps,
+from patchdsl.training.posttrain import (completion_labels, dpo_loss, grpo_loss, patch_trainer, sequence_logps,
                                 token_logprobs)
 
 from .families import tiny_model
@@ -302,7 +302,7 @@ def test_grpo_loss_on_recorded_rollouts_patched_matches_unpatched(tmp_path, loss
     assert handles[0].patched == ["lm_head"]
     for a, b, name in zip(got, base, ("loss", "grad_lm_head", "grad_norm")):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (name, (a - b).abs().max().item())
-    # and patchdsl.posttrain.grpo_loss on the patched model's log-probs gives TRL's number
+    # and patchdsl.training.posttrain.grpo_loss on the patched model's log-probs gives TRL's number
     cm = torch.cat([torch.zeros_like(p_mask), c_mask], 1)
     lp = token_logprobs(model, ids, am, cm).log_probs[:, -7:]
     steps = trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation

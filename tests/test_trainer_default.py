@@ -38,7 +38,7 @@ def test_every_shipped_spec_has_a_tiny_model_here():
 def test_default_trainer_runs_every_shipped_spec(tmp_path, spec):
     from transformers import Trainer, TrainingArguments
 
-    from patchdsl.integrations.trainer import PatchdslCallback
+    from patchdsl.training.trainer import PatchdslCallback
 
     model = BUILDERS[spec]()
     vocab = model.config.get_text_config().vocab_size

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from patchdsl import SpecError
-from patchdsl.integrations.trainer import PatchdslCallback, spec_from_config
+from patchdsl.training.trainer import PatchdslCallback, spec_from_config
 
 from .families import tiny_model
 

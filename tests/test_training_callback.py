@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import patchdsl
-from patchdsl.integrations.liger import LigerConfigError
-from patchdsl.integrations.trainer import KpatchRefused, KpatchVerifyFailed
+from patchdsl.interop.liger import LigerConfigError
+from patchdsl.training.trainer import KpatchRefused, KpatchVerifyFailed
 
 from .families import tiny_model
 

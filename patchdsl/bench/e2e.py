@@ -297,7 +297,7 @@ def train(model, batches: list[dict], o: E2EOptions, micro: int, graphed: bool =
     model.train()
     extra: dict[str, Any] = {}
     if graphed:
-        from ..runtime.graphs import graph_step
+        from ..training.graphs import graph_step
 
         if not cuda:
             raise ValueError("patchdsl+graphs needs --device cuda (CUDA graphs)")
@@ -378,11 +378,11 @@ def _compile(model, o: E2EOptions, how: str = "plain"):
     if o.compile_mode:
         kw["mode"] = o.compile_mode
     if how == "model":
-        from ..runtime.compile import compile_model
+        from ..training.compile import compile_model
 
         return compile_model(model, **kw)
     if how == "regional":
-        from ..runtime.compile import compile_layers
+        from ..training.compile import compile_layers
 
         compile_layers(model, **kw)
         return model

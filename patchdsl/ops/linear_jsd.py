@@ -11,7 +11,7 @@ make_jsd_forward`):
   (training or eval, with or without grad);
 * any call without ``teacher_hidden_states``: the original forward (generation, HF's loss).
 
-``patchdsl.posttrain.distill_loss(student, teacher, input_ids, labels)`` runs the teacher's body
+``patchdsl.training.posttrain.distill_loss(student, teacher, input_ids, labels)`` runs the teacher's body
 and makes that call.  Convention (beta = 0 forward KL(teacher || student), beta = 1 reverse KL):
 TRL's ``GKDTrainer.generalized_jsd_loss`` and Liger-Kernel's ``LigerFusedLinearJSD``; see
 docs/post-training.md.

@@ -146,7 +146,7 @@ def _q(s: str) -> str:
 def hub_call(repo_layer: str, meta: Mapping[str, Any]) -> str:
     repo, _, layer = repo_layer.rpartition(":")
     args = [_q(repo), _q(layer)]
-    from .ops.hub import is_local
+    from ..ops.hub import is_local
 
     if not is_local(repo):
         if "version" in meta:
@@ -196,7 +196,7 @@ def translate(mapping: Mapping[str, Any], model: Any, *, device: str = "cuda", s
 def load_mapping(path: str) -> Any:
     """The mapping of a JSON file (a saved KernelConfig's ``kernel_mapping`` is taken from it);
     read through :mod:`patchdsl.util.files` (``FileReadError``, a ValueError, when it cannot be)."""
-    from .util.files import read_json
+    from ..util.files import read_json
 
     data = read_json(path, "mapping", what="kernel mapping")
     if isinstance(data, dict) and "kernel_mapping" in data and isinstance(data["kernel_mapping"], dict):

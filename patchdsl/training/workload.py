@@ -94,7 +94,7 @@ def compare_runs(model: Any, plan: Any, w: Workload, progress_factory: Callable 
     """Train a copy of ``model`` unpatched, then a copy patched with ``plan``, same weights and batches."""
     import torch
 
-    from .runtime import apply
+    from ..runtime import apply
 
     apply_fn = apply_fn or apply
     dev = next(model.parameters()).device

@@ -5,7 +5,7 @@
     trainer = Trainer(model, training_args, ..., callbacks=[PatchdslCallback.from_args(kpatch_args)])
 
 ``PatchdslCallback.from_args(args)`` takes either ``PatchdslArguments`` or ``patchdsl.TrainingArguments``
-(see :mod:`patchdsl.integrations.args`).  The older form ``PatchdslCallback(config)`` takes a spec
+(see :mod:`patchdsl.training.args`).  The older form ``PatchdslCallback(config)`` takes a spec
 path / shipped name / Spec, or a mapping with exactly these keys:
 
     spec:   path or shipped name of a .kpatch file            (this, or rules)
@@ -181,7 +181,7 @@ def liger_switches(training_args: Any) -> tuple[bool, Any]:
     use = bool(getattr(training_args, "use_liger_kernel", False))
     cfg = getattr(training_args, "liger_kernel_config", None)
     if isinstance(cfg, str):
-        from .liger import LigerConfigError
+        from ..interop.liger import LigerConfigError
 
         from ..util.files import FileReadError, LIMITS, parse_json
 
@@ -311,7 +311,7 @@ def prepare(model: Any, opts: KpatchOptions, training_args: Any = None, *, liger
 def _spec_from_liger(base: Any, opts: KpatchOptions, training_args: Any, liger: tuple[bool, Any] | None,
                      log: Any, notes: list[str]) -> Spec:
     from ..model.index import build_index
-    from .liger import LigerConfigError, translate_liger
+    from ..interop.liger import LigerConfigError, translate_liger
 
     use, cfg = liger if liger is not None else liger_switches(training_args)
     if not use and cfg is None:
@@ -393,7 +393,7 @@ def patch_for_training(model: Any, args: Any, training_args: Any = None, *, logg
     """
     opts = KpatchOptions.from_args(args)
     if opts.cuda_graphs:
-        from ..runtime.graphs import _cuda_device
+        from .graphs import _cuda_device
 
         _cuda_device(_base_model(model))       # refuse before patching: no CUDA, or the model is not on it
     handle = prepare(model, opts, training_args if training_args is not None else args, logger=logger)
@@ -402,7 +402,7 @@ def patch_for_training(model: Any, args: Any, training_args: Any = None, *, logg
     if opts.cuda_graphs:
         import functools
 
-        from ..runtime.graphs import graph_step
+        from .graphs import graph_step
 
         handle.graph_step = functools.partial(graph_step, model)
     return handle

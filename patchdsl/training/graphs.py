@@ -468,7 +468,7 @@ def _slice(v: Any, a: int, b: int, rows: int) -> Any:
 
 
 def _patched_sites(model: Any) -> int:
-    from .patch import SITE_ATTR
+    from ..runtime.patch import SITE_ATTR
 
     return sum(1 for m in model.modules() if SITE_ATTR in m.__dict__)
 
