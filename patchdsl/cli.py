@@ -12,7 +12,6 @@ import os
 import re
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -351,9 +350,8 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .planning import text as plantext
-    from .planning.site import count_totals
     from .planning.planner import plan as make_plan
-    from .training.workload import Workload, compare_runs
+    from .training.workload import Workload, measured_steps, side_by_side
 
     console = _console(stderr=as_json)        # with --json, stdout carries the document only
 
@@ -379,7 +377,6 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
             f"pass --full for the real sizes")
     p = make_plan(sp, loaded.model, dtypes=(dtype,))
     print_plan(p, err=as_json)
-    parity = _apply_parity(p, loaded.model, dtype, w, seed, device)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as prog:
         kt = prog.add_task("generating kernels", total=len(p.kernel_keys()))
@@ -406,7 +403,8 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
                     prog.advance(t, counted)
             return advance
 
-        ref, pat, handle = compare_runs(loaded.model, p, w, bar)
+        run = side_by_side(loaded.model, p, w, dtype=dtype, device=device, seed=seed, progress_factory=bar)
+    ref, pat, handle = run.unpatched, run.patched, run.handle
     for r in handle.refused:
         say(click.style(str(r), fg="yellow"))
     say(f"{w.steps} steps, batch {w.batch} x {w.seq}, {dtype}, {device}")
@@ -427,27 +425,13 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     else:
         say("speed: not reported on the CPU (the patched kernels run in Triton's interpreter, so tokens/s and "
             "step times say nothing about them); compare losses here, speed on a GPU")
-    live = [s if s.path in handle.patched else replace(s, refused=s.refused or "refused at apply") for s in p.sites]
-    present = {n: pr for n, _, pr in p.totals}
-    totals = count_totals(live, present)
-    fused = sum(len(s.covers) for s in live if not s.refused)
+    totals, fused, parity = run.totals, run.fused, run.parity
     say(f"patched {len(handle.patched)} site(s)" + (f" (+{fused} module(s) fused into them)" if fused else "")
         + f", refused {len(handle.refused)}; " + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in totals))
-    mismatch = [i + 1 for i, (a, b) in enumerate(zip(ref.losses, pat.losses)) if math.isfinite(a) != math.isfinite(b)]
-    if mismatch:
-        parity["passed"] = False
-        parity["verdict"] += (f"; the two runs disagree on finiteness at step(s) {', '.join(map(str, mismatch[:10]))} "
-                              f"(one loss finite, the other not)")
     say(f"parity: {'passed' if parity['passed'] else 'FAILED'} -- {parity['verdict']}")
-    code = EXIT_BAD_INPUT if handle.refused_required else (EXIT_OK if parity["passed"] else EXIT_FAILED)
+    code = EXIT_BAD_INPUT if run.refused_required else (EXIT_OK if run.passed else EXIT_FAILED)
     doc = {"ok": code == EXIT_OK, "exit_code": code,
-           "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny,
-           "workload": {"steps": w.steps, "warmup": w.warmup, "batch": w.batch, "seq": w.seq, "lr": w.lr, "seed": w.seed},
-           "speed_measured": on_gpu,      # on the CPU tokens/s and step times are interpreter times: left out
-           "unpatched": _run_json(ref, on_gpu), "patched": _run_json(pat, on_gpu),
-           "patched_sites": len(handle.patched), "fused_modules": fused, "refused": [str(r) for r in handle.refused],
-           "totals": [{"name": n, "patched": a, "present": b} for n, a, b in totals],
-           "parity": parity}
+           "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny, **run.to_json(on_gpu)}
     if as_json:
         click.echo(json.dumps(doc, indent=2, default=str))
     if json_out:
@@ -458,38 +442,6 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     handle.undo()
     if code != EXIT_OK:
         sys.exit(code)
-
-
-def _apply_parity(p, model, dtype: str, w, seed: int, device: str) -> dict:
-    """apply's verdict: verify's check (forward values and gradients of every patched site against a
-    float64 reference, verify's tolerances) on the model in hand before training, at batch
-    min(batch, 2) x min(seq, 16).  The loss columns apply prints are for reading; this decides."""
-    from .parity import verify as run_verify
-
-    b, q = min(w.batch, 2), min(w.seq, 16)
-    where = f"patchdsl verify's check on this model (batch {b} x {q}, {dtype})"
-    try:
-        report = run_verify(p, model, dtype=dtype, batch=b, seq=q, seed=seed, device=device)
-    except Exception as e:          # a verdict that cannot be had is no pass
-        msg = str(e).splitlines()[0][:300] if str(e) else ""
-        return {"passed": False, "verdict": f"{where} could not run ({type(e).__name__}: {msg}); "
-                                           f"run `patchdsl verify` for the details", "checks": []}
-    return {"passed": bool(report.passed), "verdict": f"{where}: {report.verdict}",
-            "failed_sites": report.failed_sites()}
-
-
-def measured_steps(before: int, after: int, warmup: int) -> int:
-    """How many of the steps ``before+1 .. after`` (counted from 1) are measured, the first
-    ``warmup`` steps being warm-up: what apply's progress bar advances by."""
-    return max(0, after - warmup) - max(0, before - warmup)
-
-
-def _run_json(r, speed: bool) -> dict:
-    d = r.to_json()
-    if not speed:
-        for k in ("tokens_per_s", "step_ms", "peak_mem_bytes"):
-            d.pop(k, None)
-    return d
 
 
 # ---------------------------------------------------------------- verify

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from patchdsl.cli import main, measured_steps
+from patchdsl.cli import main
+from patchdsl.training.workload import measured_steps
 
 Q = "Qwen/Qwen3-0.6B"
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,10 +1,14 @@
 """The synthetic training workload of ``patchdsl apply``: the same batches and the same
-initial weights, run unpatched then patched, with loss per step, tokens/s and peak memory."""
+initial weights, run unpatched then patched, with loss per step, tokens/s and peak memory, and
+apply's verdict on them (:func:`side_by_side`: verify's check on the model in hand decides, the two
+runs disagreeing on a loss's finiteness fails it, a required site refused is bad input)."""
 
 from __future__ import annotations
 
 import copy
+import math
 import time
+from dataclasses import replace
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,9 +21,14 @@ class RunResult:
     step_ms: float = 0.0
     peak_mem_bytes: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"label": self.label, "losses": self.losses, "tokens_per_s": self.tokens_per_s,
-                "step_ms": self.step_ms, "peak_mem_bytes": self.peak_mem_bytes}
+    def to_json(self, speed: bool = True) -> dict[str, Any]:
+        """The run as JSON; without ``speed`` (the CPU: interpreter times) no tokens/s, step time, memory."""
+        d = {"label": self.label, "losses": self.losses, "tokens_per_s": self.tokens_per_s,
+             "step_ms": self.step_ms, "peak_mem_bytes": self.peak_mem_bytes}
+        if not speed:
+            for k in ("tokens_per_s", "step_ms", "peak_mem_bytes"):
+                d.pop(k, None)
+        return d
 
 
 @dataclass(frozen=True)
@@ -112,3 +121,80 @@ def compare_runs(model: Any, plan: Any, w: Workload, progress_factory: Callable 
     bar = progress_factory("patched", total) if progress_factory else None
     pat = train(model, batches, w, "patched", bar)
     return ref, pat, handle
+
+
+def measured_steps(before: int, after: int, warmup: int) -> int:
+    """How many of the steps ``before+1 .. after`` (counted from 1) are measured, the first
+    ``warmup`` steps being warm-up: what apply's progress bar advances by."""
+    return max(0, after - warmup) - max(0, before - warmup)
+
+
+def parity_verdict(plan: Any, model: Any, dtype: str, w: Workload, seed: int, device: str) -> dict:
+    """apply's verdict: verify's check (forward values and gradients of every patched site against a
+    float64 reference, verify's tolerances) on the model in hand before training, at batch
+    min(batch, 2) x min(seq, 16).  The loss columns apply prints are for reading; this decides."""
+    from ..parity import verify as run_verify
+
+    b, q = min(w.batch, 2), min(w.seq, 16)
+    where = f"patchdsl verify's check on this model (batch {b} x {q}, {dtype})"
+    try:
+        report = run_verify(plan, model, dtype=dtype, batch=b, seq=q, seed=seed, device=device)
+    except Exception as e:          # a verdict that cannot be had is no pass
+        msg = str(e).splitlines()[0][:300] if str(e) else ""
+        return {"passed": False, "verdict": f"{where} could not run ({type(e).__name__}: {msg}); "
+                                           f"run `patchdsl verify` for the details", "checks": []}
+    return {"passed": bool(report.passed), "verdict": f"{where}: {report.verdict}",
+            "failed_sites": report.failed_sites()}
+
+
+@dataclass
+class SideBySide:
+    """What :func:`side_by_side` found: both runs, the patch (still applied: ``handle.undo()``), the sites
+    patched per leaf name (a site refused at apply counts as present, not patched) and the verdict."""
+
+    workload: Workload
+    unpatched: RunResult
+    patched: RunResult
+    handle: Any
+    totals: tuple[tuple[str, int, int], ...]
+    fused: int                      # modules fused into the patched sites
+    parity: dict                    # {"passed", "verdict", ...}: verify's check, and the runs' finiteness
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.parity["passed"])
+
+    @property
+    def refused_required(self) -> bool:
+        return bool(self.handle.refused_required)
+
+    def to_json(self, speed: bool) -> dict[str, Any]:
+        w = self.workload
+        return {"workload": {"steps": w.steps, "warmup": w.warmup, "batch": w.batch, "seq": w.seq, "lr": w.lr,
+                             "seed": w.seed},
+                "speed_measured": speed,      # on the CPU tokens/s and step times are interpreter times: left out
+                "unpatched": self.unpatched.to_json(speed), "patched": self.patched.to_json(speed),
+                "patched_sites": len(self.handle.patched), "fused_modules": self.fused,
+                "refused": [str(r) for r in self.handle.refused],
+                "totals": [{"name": n, "patched": a, "present": b} for n, a, b in self.totals],
+                "parity": self.parity}
+
+
+def side_by_side(model: Any, plan: Any, w: Workload, *, dtype: str, device: str, seed: int,
+                 progress_factory: Callable | None = None) -> SideBySide:
+    """``patchdsl apply`` as a function: verify's check on ``model`` (:func:`parity_verdict`), then the
+    unpatched and the patched run of :func:`compare_runs`, and the verdict (the runs disagreeing on
+    whether a step's loss is finite fails it)."""
+    from ..planning.site import count_totals
+
+    parity = parity_verdict(plan, model, dtype, w, seed, device)
+    ref, pat, handle = compare_runs(model, plan, w, progress_factory)
+    live = [s if s.path in handle.patched else replace(s, refused=s.refused or "refused at apply") for s in plan.sites]
+    totals = count_totals(live, {n: pr for n, _, pr in plan.totals})
+    fused = sum(len(s.covers) for s in live if not s.refused)
+    mismatch = [i + 1 for i, (a, b) in enumerate(zip(ref.losses, pat.losses)) if math.isfinite(a) != math.isfinite(b)]
+    if mismatch:
+        parity["passed"] = False
+        parity["verdict"] += (f"; the two runs disagree on finiteness at step(s) {', '.join(map(str, mismatch[:10]))} "
+                              f"(one loss finite, the other not)")
+    return SideBySide(w, ref, pat, handle, totals, fused, parity)
