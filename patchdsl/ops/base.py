@@ -124,9 +124,9 @@ class Op:
     # fused LM head, for fused_linear_logprobs): the runtime then lets it wrap that forward
     wraps_instance_forward: ClassVar[bool] = False
     doc: ClassVar[str] = ""
-    # External ops (patchdsl/ops/external.py): a third-party kernel (a Hub kernel layer, an
-    # installed Liger-Kernel op) loaded by ``load`` instead of a generated one.  They plan, patch,
-    # undo and verify through the same planner, runtime and parity code as generated ops.
+    # External ops (patchdsl/ops/external.py, ExternalOp): a third-party kernel (a Hub kernel layer,
+    # an installed Liger-Kernel op) loaded instead of a generated one.  They plan, patch, undo and
+    # verify through the same planner, runtime and parity code as generated ops.
     external: ClassVar[bool] = False
     # whether the generated module holds Triton kernels (fp8_linear's calls torch._scaled_mm): the
     # sm_90 compile test asks every op that has them to launch one
@@ -145,20 +145,11 @@ class Op:
         """Specialisation parameters of the kernel for this site (JSON-able, deterministic)."""
         raise NotImplementedError
 
-    def locate(self, name: str, value: Any, file: str) -> Any:
-        """A flag value as given in ``file`` made independent of it (external ops resolve a local
-        repository path against the spec's folder).  Default: unchanged."""
-        return value
-
     def validate(self, flags: Mapping[str, Any]) -> str | None:
         """Why the resolved flags of a site do not go together (None if they do).  Pure."""
         return None
 
-    def source(self, params: Mapping[str, Any]) -> str:
-        """Where an external op's kernel comes from, with its pin, for ``plan`` ("" for generated ops)."""
-        return ""
-
-    # ---- external ops: the machine-dependent part (plan time and runtime) --------
+    # ---- the machine-dependent part (plan time and runtime) ------------------------
     def unavailable(self, params: Mapping[str, Any]) -> str | None:
         """Why the kernel of ``params`` cannot be had on this machine (None if it can).
 
@@ -166,24 +157,6 @@ class Op:
         naming the site before anything runs.  Generated ops are available unless their kernel needs
         hardware this machine lacks (fp8_linear: fp8 tensor cores)."""
         return None
-
-    def resolved_source(self, params: Mapping[str, Any]) -> str:
-        """``source`` with what this machine resolved it to (called after ``unavailable``)."""
-        return self.source(params)
-
-    def lock(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Flags that pin what this machine resolved for ``params`` (a local repository's sha256),
-        recorded in the plan after ``unavailable`` passed.  Default: none."""
-        return {}
-
-    def unlocked(self, flags: Mapping[str, Any]) -> str | None:
-        """Why the flags of a site read from a plan file lack a pin a plan made here records (a
-        local repository without its sha256), or None.  Pure."""
-        return None
-
-    def load(self, params: Mapping[str, Any]) -> Any:
-        """External ops: the loaded kernel for ``params`` (what ``kernels(dtype)`` returns)."""
-        raise NotImplementedError(f"{self.name} generates its kernels; it has nothing to load")
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         """A readable file stem naming what the kernel is specialised for."""

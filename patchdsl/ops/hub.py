@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from .base import FlagSpec, Op, SIZE_MAX
+from .base import FlagSpec, SIZE_MAX
 from ..model.info import ModuleInfo
-from .external import kernels_library, missing_kernels_message
+from .external import ExternalOp, kernels_library, missing_kernels_message
 from ..model.kinds import KIND_NAMES
 from .registry import register
 
@@ -203,11 +203,10 @@ def _hf_offline() -> bool:
     return v.upper() in ("1", "ON", "YES", "TRUE")
 
 
-class HubLayer(Op):
+class HubLayer(ExternalOp):
     name = "hub"
     kinds = KIND_NAMES
     any_kind = True
-    external = True
     template = ""
     positional = ("repo", "layer")
     doc = ("A kernel layer from a Hugging Face Hub kernel repository (or a local copy), loaded with the "

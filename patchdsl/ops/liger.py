@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from .base import FlagSpec
 from ..model.info import ModuleInfo
 from .cross_entropy import LOSS_FLAGS, FusedCrossEntropy
-from .external import package_version
+from .external import ExternalOp, package_version
 from .geglu import FusedGeGLU
 from .layernorm import FusedLayerNorm
 from .linear_cross_entropy import FusedLinearCrossEntropy
@@ -45,10 +45,10 @@ def _functional() -> Any:
     return F
 
 
-class LigerOp:
-    """Mixin: what makes a patchdsl op a Liger-Kernel one (loading, availability, source)."""
+class LigerOp(ExternalOp):
+    """What makes a patchdsl op a Liger-Kernel one (loading, availability, source); mixed in before the
+    generated op whose flags, kinds and forward it shares."""
 
-    external = True
     template = ""
     liger_fn: str = ""          # the function of liger_kernel.transformers.functional
 

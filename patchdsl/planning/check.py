@@ -95,7 +95,8 @@ def _typed_flags(op: Op, flags: tuple[Flag, ...], errors: list[SpecError],
             errors.append(SpecError(str(e), fl.span, hint=spec.doc))
             continue
         try:
-            value = op.locate(fl.name, value, fl.span.file)
+            if op.external:
+                value = op.locate(fl.name, value, fl.span.file)
         except SpecError as e:
             errors.append(e)
             continue

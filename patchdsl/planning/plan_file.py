@@ -169,7 +169,7 @@ def _load_site(i: int, d: Any, infos: Mapping[str, ModuleInfo], dtypes: tuple[st
                           optional=d.get("optional", False) is True)
     except SiteError as e:
         raise PlanError(f"{where}: {e}") from None
-    unlocked = op.unlocked(site.flag_dict)
+    unlocked = op.unlocked(site.flag_dict) if op.external else None
     _need(not unlocked, f"{where}.flags", unlocked or "")
     recorded = _list(d.get("kernels", []), f"{where}.kernels")
     _need(len(recorded) == len(site.keys), f"{where}.kernels", f"expected {len(site.keys)} kernel(s), one per dtype")
