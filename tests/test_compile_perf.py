@@ -24,6 +24,7 @@ import patchdsl
 from patchdsl.kernel_support import custom_ops
 from patchdsl.parity.compare import FLOORS
 from patchdsl.training import compile as pcompile
+from patchdsl.training import eager_mask
 from patchdsl.syntax import load_spec
 
 from .families import tiny_model
@@ -142,8 +143,8 @@ def test_compile_model_traces_no_mask_and_saves_less_than_plain_compile():
     assert ours.saved()[1] < plain.saved()[1], (ours.saved(), plain.saved())
     # the replacements live only inside the compiled call
     import transformers.masking_utils as mu
-    assert mu.find_packed_sequence_indices is not pcompile._not_packed
-    assert mu._ignore_causal_mask_sdpa is not pcompile._causal_skip_as_in_eager
+    assert mu.find_packed_sequence_indices is not eager_mask.not_packed
+    assert mu._ignore_causal_mask_sdpa is not eager_mask.causal_skip_as_in_eager
 
     from torch._dynamo.utils import counters
     frames = counters["frames"]["total"]

@@ -339,7 +339,7 @@ def test_gpu_a_padded_batch_is_graphed_where_transformers_skips_its_mask_check_i
     """transformers checks a padding mask on the host (`mask.all()`) unless is_tracing() says a CUDA stream
     captures; where it says so, the checked warm-up takes the capture's path and a padded batch gives eager's
     losses; elsewhere the sync is refused with the way out."""
-    from patchdsl.training.graphs import _as_if_capturing
+    from patchdsl.training.eager_mask import as_if_capturing as _as_if_capturing
     import transformers.utils.import_utils as iu
 
     def padded(b):
@@ -724,7 +724,7 @@ def test_the_checked_warm_up_answers_is_cuda_stream_capturing_only_where_is_trac
     """_as_if_capturing makes transformers take its in-capture path during the sync-checked warm-up, and
     leaves a version whose is_tracing() does not consult capture alone (there the capture would hit the sync)."""
     import types
-    from patchdsl.training import graphs
+    from patchdsl.training import eager_mask, graphs
 
     def make(consults: bool):
         mod = types.ModuleType("transformers.utils.import_utils")
@@ -738,7 +738,7 @@ def test_the_checked_warm_up_answers_is_cuda_stream_capturing_only_where_is_trac
     for consults in (True, False):
         mod = make(consults)
         monkeypatch.setitem(sys.modules, "transformers.utils.import_utils", mod)
-        with graphs._as_if_capturing():
+        with eager_mask.as_if_capturing():
             assert mod.is_tracing() is consults
         assert mod.is_tracing() is False and mod.is_cuda_stream_capturing() is False
 
@@ -785,7 +785,7 @@ def test_a_capture_drops_the_causal_mask_where_eager_does(decision, monkeypatch)
     14.6 ms).  With a custom loss (positions unknown) the mask is kept; a padded batch keeps eager's mask."""
     import transformers.masking_utils as mu
     from transformers import AutoModelForCausalLM
-    from patchdsl.training import graphs
+    from patchdsl.training import eager_mask, graphs
 
     if decision == "5.17":
         monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", _ignore_causal_mask_sdpa_517)
@@ -804,20 +804,20 @@ def test_a_capture_drops_the_causal_mask_where_eager_does(decision, monkeypatch)
 
     eager = _sdpa_masks(m, plain, monkeypatch)
     assert eager and all(x is None for x in eager)
-    with graphs._as_if_capturing():
+    with eager_mask.as_if_capturing():
         captured_raw = _sdpa_masks(m, plain, monkeypatch)
     assert captured_raw and all(x is not None for x in captured_raw)     # what the fix is for
-    with graphs._as_if_capturing(), graphs._mask_as_in_eager(model_positions=False):
+    with eager_mask.as_if_capturing(), eager_mask.mask_as_in_eager(model_positions=False):
         custom_loss = _sdpa_masks(m, plain, monkeypatch)                    # positions unknown: mask kept
     assert custom_loss and all(x is not None for x in custom_loss)
-    with graphs._as_if_capturing(), graphs._mask_as_in_eager(model_positions=True):
+    with eager_mask.as_if_capturing(), eager_mask.mask_as_in_eager(model_positions=True):
         captured = _sdpa_masks(m, plain, monkeypatch)
         assert mu._ignore_causal_mask_sdpa is not before
     assert captured == eager
     assert mu._ignore_causal_mask_sdpa is before
 
     eager_p = _sdpa_masks(m, padded, monkeypatch)
-    with graphs._as_if_capturing(), graphs._mask_as_in_eager(model_positions=True):
+    with eager_mask.as_if_capturing(), eager_mask.mask_as_in_eager(model_positions=True):
         captured_p = _sdpa_masks(m, padded, monkeypatch)
     assert all(x is not None for x in eager_p) and len(captured_p) == len(eager_p)
     for a, b in zip(captured_p, eager_p):
@@ -827,7 +827,7 @@ def test_a_capture_drops_the_causal_mask_where_eager_does(decision, monkeypatch)
 def test_the_mask_decision_keeps_the_capture_answer_for_a_tensor_offset_and_restores_itself(monkeypatch):
     """Only calls that read no tensor are decided with the capture flag off; the original functions come back."""
     import types
-    from patchdsl.training import graphs
+    from patchdsl.training import eager_mask, graphs
 
     iu = types.ModuleType("transformers.utils.import_utils")
     iu.is_cuda_stream_capturing = lambda: True
@@ -842,7 +842,7 @@ def test_the_mask_decision_keeps_the_capture_answer_for_a_tensor_offset_and_rest
     mu._ignore_causal_mask_sdpa = decision
     monkeypatch.setitem(sys.modules, "transformers.utils.import_utils", iu)
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", mu)
-    with graphs._mask_as_in_eager(model_positions=True):
+    with eager_mask.mask_as_in_eager(model_positions=True):
         assert mu._ignore_causal_mask_sdpa(None, 8, 8, 0, 0) is True
         assert mu._ignore_causal_mask_sdpa(padding_mask=None, q_length=8, kv_length=8, q_offset=0, kv_offset=0)
         assert mu._ignore_causal_mask_sdpa(torch.ones(1, 8, dtype=torch.bool), 8, 8, 0, 0) is False

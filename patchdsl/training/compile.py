@@ -31,20 +31,12 @@ meet :func:`patchdsl.graph_step`, which is the CUDA graph of the whole step: ``g
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import sys
-import threading
-from typing import Any, Iterator
+from typing import Any
+
+from .eager_mask import eager_mask_decisions
 
 COMPILE_ATTR = "_patchdsl_compile"       # on the model (and each compiled layer): how it was compiled
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
-_SKIP_PARAMS = ("padding_mask", "q_length", "kv_length", "q_offset", "kv_offset", "local_attention_size")
-
-_lock = threading.RLock()
-_depth = 0
-_saved: dict[str, Any] = {}
-_ORIGINAL: dict[str, Any] = {}
 
 
 class CompileError(ValueError):
@@ -55,72 +47,6 @@ def _torch():
     import torch
 
     return torch
-
-
-# ------------------------------------------------------------------ eager's mask decisions
-def _not_packed(position_ids: Any) -> None:
-    """``find_packed_sequence_indices`` for the model's own positions (an ``arange``): not packed."""
-    return None
-
-
-def _causal_skip_as_in_eager(padding_mask: Any, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any,
-                             local_attention_size: Any = None) -> bool:
-    """``_ignore_causal_mask_sdpa`` without a padding mask and with int offsets: eager's answer, from
-    shapes only (transformers' own code, minus its ``is_tracing`` early exit).  Anything that reads
-    data goes to transformers' function."""
-    torch = _torch()
-    if padding_mask is not None or isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
-        return _ORIGINAL["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset, kv_offset,
-                                                     local_attention_size)
-    if local_attention_size is not None and kv_length >= local_attention_size:
-        return False
-    if q_length == 1 or kv_length == q_length:
-        return True
-    return q_offset == 0
-
-
-def _replacements(own_positions: bool) -> dict[str, Any]:
-    mu = sys.modules.get("transformers.masking_utils")
-    if mu is None:
-        return {}
-    out: dict[str, Any] = {}
-    skip = getattr(mu, "_ignore_causal_mask_sdpa", None)
-    if skip is not None and skip is not _causal_skip_as_in_eager:
-        try:
-            names = tuple(inspect.signature(skip).parameters)
-        except (TypeError, ValueError):
-            names = ()
-        if names == _SKIP_PARAMS:          # the signature of 5.17-5.24; another one keeps its own answer
-            _ORIGINAL.setdefault("_ignore_causal_mask_sdpa", skip)
-            out["_ignore_causal_mask_sdpa"] = _causal_skip_as_in_eager
-    packed = getattr(mu, "find_packed_sequence_indices", None)
-    if own_positions and packed is not None and packed is not _not_packed:
-        out["find_packed_sequence_indices"] = _not_packed
-    return out
-
-
-@contextlib.contextmanager
-def eager_mask_decisions(own_positions: bool = True) -> Iterator[list[str]]:
-    """While inside, transformers' data-reading mask decisions give eager's answers where they read no
-    data (see the module docstring).  Yields the names replaced.  Re-entrant."""
-    global _depth
-    mu = sys.modules.get("transformers.masking_utils")
-    with _lock:
-        if _depth == 0 and mu is not None:
-            for name, fn in _replacements(own_positions).items():
-                _saved[name] = getattr(mu, name)
-                setattr(mu, name, fn)
-        _depth += 1
-        names = sorted(_saved)
-    try:
-        yield names
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for name, fn in _saved.items():
-                    setattr(mu, name, fn)
-                _saved.clear()
 
 
 # ------------------------------------------------------------------ what to compile

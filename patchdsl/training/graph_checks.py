@@ -197,7 +197,7 @@ def _user_frame(tb: Any) -> str | None:
     for the sync."""
     torch = _torch()
     here = os.path.dirname(os.path.abspath(__file__))
-    own = {os.path.join(here, n) for n in ("graphs.py", "graph_checks.py", "graph_capture.py")}
+    own = {os.path.join(here, n) for n in ("graphs.py", "graph_checks.py", "eager_mask.py")}
     skip = os.path.dirname(torch.__file__)
     frames = traceback.extract_tb(tb)
     for fr in reversed(frames):

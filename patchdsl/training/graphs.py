@@ -64,7 +64,7 @@ from .graph_checks import (CAPTURE_ERROR_MODES, GraphStepError, SHAPE_POLICIES, 
                            _batch_hint, _check_model, _check_optimizer, _check_options, _cuda_device, _hyper_change,
                            _hyper_snapshot, _is_sync_error, _op_words, _torch, _unknown_state_message, _user_frame,
                            _zero_initial_state, batch_signature, describe_signature_change, micro_slices)  # noqa: F401  (re-exported)
-from .graph_capture import (_as_if_capturing, _mask_as_in_eager)  # noqa: F401  (re-exported)
+from .eager_mask import as_if_capturing, mask_as_in_eager
 
 
 @dataclass
@@ -176,10 +176,10 @@ class GraphedStep:
         return total, gn
 
     def _eager_masks(self) -> Any:
-        """The attention masks of an eager step inside the capture (see :func:`_mask_as_in_eager`); the
+        """The attention masks of an eager step inside the capture (see :func:`mask_as_in_eager`); the
         positions are the model's own when the default loss calls ``model(**batch)`` (batches with
         ``position_ids`` are refused)."""
-        return _mask_as_in_eager(model_positions=self.loss_fn is _model_loss)
+        return mask_as_in_eager(model_positions=self.loss_fn is _model_loss)
 
     def _set_grads_none(self) -> None:
         for p in self._params:
@@ -265,7 +265,7 @@ class GraphedStep:
         prev = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with _as_if_capturing(), self._eager_masks():
+            with as_if_capturing(), self._eager_masks():
                 self._run(static)
             return
         except RuntimeError as e:
@@ -281,7 +281,7 @@ class GraphedStep:
         spy = _SyncSpy()                  # the same iteration again (the caller restores the state after)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with spy, _as_if_capturing(), self._eager_masks():
+            with spy, as_if_capturing(), self._eager_masks():
                 self._run(static)
         except RuntimeError as e2:
             if _is_sync_error(e2):
