@@ -30,8 +30,6 @@ import sys
 import time
 import zlib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # name -> (hidden, intermediate, kv width (heads x head_dim), tokens): the e2e benches' shapes
 SHAPES = {
@@ -63,7 +61,7 @@ def kernel_module(k, n, tiny):
 
 
 def timer(dev):
-    from patchdsl.bench import timing
+    from patchdsl_tools.bench import timing
 
     def t(fn, reps=4):
         if dev == "cuda":

@@ -44,13 +44,13 @@ TARGET = "cuda"
 
 
 def _time_cuda(fn):
-    """ms per call: CUDA events around eager loops (patchdsl.bench.timing), the median; on the CPU
+    """ms per call: CUDA events around eager loops (patchdsl_tools.bench.timing), the median; on the CPU
     (--cpu-dry) one call's wall time (checks the code path, not a measurement)."""
     if DEV == "cpu":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    from patchdsl.bench.timing import time_events
+    from patchdsl_tools.bench.timing import time_events
 
     fn()                          # compile / autotune outside the estimate of time_events
     return time_events([fn], target_ms=150.0, min_reps=5, max_reps=30).ms

@@ -54,8 +54,6 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import patchdsl  # noqa: E402,F401  (first: it switches Triton's interpreter on before anything imports triton)
 import torch  # noqa: E402

@@ -32,8 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODELS = [   # (hub id, shipped spec); the 8B models first
     ("meta-llama/Llama-3.1-8B", "llama"),

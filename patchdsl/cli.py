@@ -619,7 +619,7 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
         # this config: the layout depends on the family, not on the widths), unless --images insists
         recipe, why = plan_recipe(loaded.model)
         if recipe is not None and not images:
-            from .census import image_batch_check
+            from .parity.images import image_batch_check
 
             ok, why2 = image_batch_check(loaded.model.config)
             recipe, why = (recipe, "") if ok is not False else (None, why2)
@@ -639,16 +639,30 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
         click.echo(s.text, nl=False)
 
 
+def maintenance_tool(module: str, command: str):
+    """``patchdsl_tools.<module>``: a maintenance tool of a patchdsl checkout (``tools/``, not shipped in
+    the wheel; ``pip install -e .`` puts it on the path)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"patchdsl_tools.{module}")
+    except ImportError as e:
+        if not (e.name or "").startswith("patchdsl_tools"):
+            raise
+        raise UsageFailure(f"`patchdsl {command}` is a maintenance tool of a patchdsl checkout "
+                           f"(tools/patchdsl_tools/), not part of the installed package: run it from a checkout "
+                           f"installed with pip install -e .") from None
+
+
 @main.command("census")
 @click.argument("families", nargs=-1)
 @click.option("--no-verify", "no_verify", is_flag=True, help="Suggest and plan only (fast); the verify column says '-'.")
 @click.option("--out", "out", default="docs/coverage.md", show_default=True,
               help="The table's file ('-' prints it).")
-@click.option("--sample", is_flag=True, help="Only the families CI checks (patchdsl.census.CI_SAMPLE).")
+@click.option("--sample", is_flag=True, help="Only the families CI checks (patchdsl_tools.census.CI_SAMPLE).")
 def census_cmd(families, no_verify: bool, out: str, sample: bool) -> None:
     """Coverage census: every causal-LM family of the installed transformers (or FAMILIES), tiny config, suggest, plan, verify."""
-    from .census import main as census_main
-
+    census_main = maintenance_tool("census", "census").main
     args = list(families) + (["--no-verify"] if no_verify else []) + ["--out", out] + (["--sample"] if sample else [])
     sys.exit(census_main(args))
 
@@ -668,8 +682,7 @@ def bench(ctx) -> None:
     patchdsl bench plot F      plot a results JSON
     Results go into --out, else $OUT, else a new bench-results/<command>-<time>/ folder.
     """
-    from .bench.cli import run as bench_run
-
+    bench_run = maintenance_tool("bench.cli", "bench").run
     sys.exit(bench_run(ctx.args))
 
 

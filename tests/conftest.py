@@ -20,6 +20,11 @@ except Exception:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The maintenance tools (tools/patchdsl_tools, outside the wheel) for the tests' subprocesses too (the
+# bench scripts the tests run): pyproject's pytest `pythonpath` puts them on this process's path only.
+_tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+if _tools not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_tools, os.environ.get("PYTHONPATH", "")) if p)
 os.environ.setdefault("PATCHDSL_CACHE", tempfile.mkdtemp(prefix="patchdsl-test-cache-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

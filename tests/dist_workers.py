@@ -56,7 +56,7 @@ class HeadShapes:
     """Records the lm_head weight shape that the generated fused loss receives."""
 
     def __init__(self):
-        from patchdsl.bench.fsdp2 import HeadRecorder
+        from patchdsl_tools.bench.fsdp2 import HeadRecorder
 
         self.rec = HeadRecorder()
         self.rec.install()

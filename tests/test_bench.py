@@ -16,8 +16,8 @@ import re
 import pytest
 import torch
 
-from patchdsl.bench import cases, report, runner
-from patchdsl.bench.cases import bind, families
+from patchdsl_tools.bench import cases, report, runner
+from patchdsl_tools.bench.cases import bind, families
 from patchdsl.ops.registry import get_op
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness test (the GPU runs bench/gpu_all.sh)")
@@ -99,7 +99,7 @@ def test_summaries_and_plot(ops_doc, tmp_path):
     assert "RMSNorm 16384x1024" in t          # tiny shapes do not answer the targets
     assert "PASS" not in t.split("per-call")[0]
     pytest.importorskip("matplotlib")
-    from patchdsl.bench.plot import plot
+    from patchdsl_tools.bench.plot import plot
 
     png = plot(doc, None, tmp_path / "x.png")
     assert png and (tmp_path / "x.png").stat().st_size > 1000
@@ -118,7 +118,7 @@ def test_wrong_kernel_is_flagged_and_fails_the_cli(tmp_path, monkeypatch, capsys
     for r in doc["results"]:
         assert r["status"] == "ok" and r["correct"] is False and r["err_out"] > 0.04
     assert re.search(r"\d BAD", report.ops_summary(doc))
-    from patchdsl.bench.cli import run
+    from patchdsl_tools.bench.cli import run
 
     assert run(["summary", str(tmp_path / "ops.json")]) == 1
     assert re.search(r"\d BAD", capsys.readouterr().out)
@@ -312,7 +312,7 @@ def test_e2e_step_target_at_batch_one():
 
 
 def test_cli_bad_arguments():
-    from patchdsl.bench.cli import run
+    from patchdsl_tools.bench.cli import run
 
     assert run(["ops", "--impls", "nonsense", "--device", "cpu"]) == 2
     assert run(["frobnicate"]) == 2
@@ -321,7 +321,7 @@ def test_cli_bad_arguments():
 # ----------------------------------------------------------------------------- e2e
 def test_e2e_fresh_processes_same_weights_same_losses(tmp_path):
     """Each row in its own worker process: the same seeded weights and batches, so the losses agree."""
-    from patchdsl.bench.e2e import E2EOptions, run_e2e
+    from patchdsl_tools.bench.e2e import E2EOptions, run_e2e
 
     o = E2EOptions(device="cpu", dtype="fp32", batch=2, seq=8, steps=1, warmup=0, variants=("patchdsl", "hf"),
                    tiny=True, json_path=str(tmp_path / "e2e.json"), quiet=True, variant_timeout_s=300)
@@ -371,7 +371,7 @@ def test_e2e_a_dying_or_hanging_worker_is_an_error_row_and_the_run_goes_on(tmp_p
     """The parent's side of the isolation, with a stand-in worker (no torch in it: fast)."""
     import sys as _sys
 
-    from patchdsl.bench import e2e
+    from patchdsl_tools.bench import e2e
 
     script = tmp_path / "worker.py"
     script.write_text(_FAKE_WORKER)
@@ -398,7 +398,7 @@ def test_e2e_a_dying_or_hanging_worker_is_an_error_row_and_the_run_goes_on(tmp_p
 
 
 def test_e2e_rows_specs_and_batches():
-    from patchdsl.bench.e2e import E2EOptions, default_spec, plan_rows, resolve_spec
+    from patchdsl_tools.bench.e2e import E2EOptions, default_spec, plan_rows, resolve_spec
 
     assert default_spec("Qwen/Qwen3-0.6B") == "qwen3"
     assert default_spec("google/gemma-3-1b-pt") == "gemma3"
@@ -423,7 +423,7 @@ def test_e2e_rows_specs_and_batches():
 def test_bench_spec_variants_plan_on_their_family(spec):
     """The spec variants in bench/specs/ plan on their family with every rule matching (meta model)."""
     import patchdsl
-    from patchdsl.bench.e2e import filtered_spec
+    from patchdsl_tools.bench.e2e import filtered_spec
     from patchdsl.model import load_model
 
     fam = {"qwen3": "Qwen/Qwen3-0.6B", "llama": "meta-llama/Llama-3.2-1B"}[spec.split("_")[0]]
@@ -438,7 +438,7 @@ def test_bench_spec_variants_plan_on_their_family(spec):
 
 
 def test_e2e_micro_batches_accumulate_to_the_same_loss(tmp_path):
-    from patchdsl.bench.e2e import E2EOptions, run_e2e
+    from patchdsl_tools.bench.e2e import E2EOptions, run_e2e
 
     kw = dict(device="cpu", dtype="fp32", batch=2, seq=8, steps=1, warmup=0, variants=("hf",), tiny=True, quiet=True,
               isolate=False)
@@ -450,7 +450,7 @@ def test_e2e_micro_batches_accumulate_to_the_same_loss(tmp_path):
 
 
 def test_filtered_spec_drops_unregistered_ops(tmp_path):
-    from patchdsl.bench.e2e import filtered_spec
+    from patchdsl_tools.bench.e2e import filtered_spec
 
     p = tmp_path / "s.kpatch"
     p.write_text("dtype bf16\nmodel.norm: RMSNorm -> fused_rmsnorm\n*.mlp: SwiGLU -> fused_not_there\n")
@@ -461,7 +461,7 @@ def test_filtered_spec_drops_unregistered_ops(tmp_path):
 
 
 def test_summary_merges_two_ops_files(ops_doc, tmp_path, capsys):
-    from patchdsl.bench.cli import run
+    from patchdsl_tools.bench.cli import run
 
     doc, path = ops_doc
     other = dict(doc, results=[dict(r, group="sweep") for r in doc["results"] if r["op"] == "rmsnorm"])
@@ -488,7 +488,7 @@ def test_bench_llama_fused_head_is_the_shipped_spec_with_a_fused_head():
     """bench/specs/llama_fused_head.kpatch (the 8B memory row of bench/NOTES.md round eight): the shipped
     Llama spec's sites, the LM head in mode=fused (no logits chunk) instead of chunk=auto."""
     import patchdsl
-    from patchdsl.bench.e2e import filtered_spec
+    from patchdsl_tools.bench.e2e import filtered_spec
     from patchdsl.model import load_model
 
     model = load_model("meta-llama/Llama-3.1-8B", meta=True, log=None).model

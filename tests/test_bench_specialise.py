@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from patchdsl.bench import specialise as sp
-from patchdsl.bench.cases import families
+from patchdsl_tools.bench import specialise as sp
+from patchdsl_tools.bench.cases import families
 from patchdsl.codegen import render
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness test (the GPU runs bench/gpu_all.sh)")
@@ -29,7 +29,7 @@ ROW_FIELDS = {"op", "op_name", "shape", "label", "dtype", "variant", "flags", "k
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
     """One CLI run over every op at its tiny shape (bf16), shared by the tests below."""
-    from patchdsl.bench.cli import run
+    from patchdsl_tools.bench.cli import run
 
     tmp = tmp_path_factory.mktemp("spec")
     out = tmp / "specialise.json"
@@ -152,7 +152,7 @@ def test_wrong_variant_is_flagged_and_fails_the_cli(tmp_path, monkeypatch, capsy
         return lambda *a: tuple(o * 1.05 for o in call(*a))
 
     monkeypatch.setattr(sp, "build_call", build)
-    from patchdsl.bench.cli import run
+    from patchdsl_tools.bench.cli import run
 
     rc = run(["specialise", "--json", str(tmp_path / "s.json"), "--device", "cpu", "--ops", "rmsnorm", "--quiet"])
     assert rc == 1
@@ -178,7 +178,7 @@ def test_same_kernel_and_budget(tmp_path, monkeypatch):
 
 
 def test_unknown_op_is_a_usage_error(tmp_path, capsys):
-    from patchdsl.bench.cli import run
+    from patchdsl_tools.bench.cli import run
 
     assert run(["specialise", "--json", str(tmp_path / "x.json"), "--device", "cpu", "--ops", "nope"]) == 2
     assert "unknown op" in capsys.readouterr().err

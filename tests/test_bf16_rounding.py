@@ -154,7 +154,7 @@ def _signed_ulps(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _families():
-    from patchdsl.bench import cases
+    from patchdsl_tools.bench import cases
 
     # linear_*: their bf16 gradients come out of bf16 matmuls whose several-ulp error hides a
     # half-ulp bias at tiny shapes (their final store is the cast the tests above check)
@@ -166,7 +166,7 @@ MIN_ELEMENTS = 256          # smaller tensors (the tiny qk_norm weights) are too
 
 @pytest.mark.parametrize("name", sorted(_families()))
 def test_bf16_outputs_and_gradients_have_no_systematic_bias(name, monkeypatch):
-    from patchdsl.bench import cases, runner
+    from patchdsl_tools.bench import cases, runner
 
     fam = _families()[name]
     shape = fam.tiny[0]

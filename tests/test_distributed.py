@@ -122,7 +122,7 @@ def fsdp2_run(tmp_path_factory):
     fully_shard, tied embeddings, AdamW fp32, 5 steps; unpatched, patch-then-shard, shard-then-patch
     and patch-shard-compile, with the lm_head weight shape the fused loss received recorded."""
     out = tmp_path_factory.mktemp("fsdp2") / "fsdp2.json"
-    return launch(2, ["-m", "patchdsl.bench.fsdp2", "--tiny", "--device", "cpu", "--dtype", "fp32", "--steps", "5",
+    return launch(2, ["-m", "patchdsl_tools.bench.fsdp2", "--tiny", "--device", "cpu", "--dtype", "fp32", "--steps", "5",
                       "--batch", "1", "--seq", "8", "--spec", SPEC, "--record-head", "--out", str(out),
                       "--variants", "unpatched,patched,shard-then-patch,patched+compile"], out)
 

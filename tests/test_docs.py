@@ -2,14 +2,14 @@
 
 from pathlib import Path
 
-from patchdsl.docgen import render_ops_md
+from patchdsl_tools.docgen import render_ops_md
 from patchdsl.ops.registry import OP_MODULES, ops
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ops_md_is_current():
-    assert (ROOT / "docs" / "ops.md").read_text() == render_ops_md(), "run: python -m patchdsl.docgen > docs/ops.md"
+    assert (ROOT / "docs" / "ops.md").read_text() == render_ops_md(), "run: python -m patchdsl_tools.docgen > docs/ops.md"
 
 
 def test_every_op_module_registers_an_op_with_a_template():

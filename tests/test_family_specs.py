@@ -40,7 +40,7 @@ def test_family_specs_say_where_they_come_from():
 
 
 # Falcon-H1's Mamba-2 mixer and Qwen3.5's Gated DeltaNet run slowly on the CPU even at tiny sizes (30 s and
-# 16 s for verify alone): their specs are verified by the census (python -m patchdsl.census falcon_h1
+# 16 s for verify alone): their specs are verified by the census (python -m patchdsl_tools.census falcon_h1
 # qwen3_5_text), here only planned
 SLOW_MIXERS = {"falcon_h1", "qwen3_5"}
 

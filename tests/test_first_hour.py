@@ -354,7 +354,7 @@ def test_verify_takes_torch_dtypes_and_strings(given, name):
 # ---------------------------------------------------------------- bench: exit status and where results go
 @pytest.mark.parametrize("correct,code", [(True, 0), (False, 1), (None, 0)])
 def test_bench_ops_exit_status_follows_the_kernel_results(correct, code, tmp_path, monkeypatch, capsys):
-    from patchdsl.bench import cli as bench_cli, runner
+    from patchdsl_tools.bench import cli as bench_cli, runner
 
     def fake_run_ops(opts):
         rows = [{"op": "rmsnorm", "label": "6x256", "impl": "patchdsl", "group": "tiny", "status": "ok",

@@ -306,7 +306,7 @@ def test_verify_the_shipped_ops_around_fp8_projections():
     """bench/specs/qwen3_fp8.kpatch (emulated, fp32): the fused MLP and attention sites call their fp8
     projections, so they are judged with the fp8 floor too; the norms and the loss head keep fp32's
     (the end-to-end rows take the fp8 floor)."""
-    from patchdsl.bench.e2e import resolve_spec
+    from patchdsl_tools.bench.e2e import resolve_spec
     from patchdsl.parity.compare import FLOORS
 
     text = open(resolve_spec("qwen3_fp8")).read().replace("dtype bf16, fp32", "dtype fp32")
@@ -382,7 +382,7 @@ def test_bench_fp8_spec_plans_every_projection_of_the_real_shapes(gpu, family, s
     """The fp8 specs of bench/specs/ on the full architectures (meta device, a pretend H200): every
     projection's dimensions are multiples of 16, so each of the 7 per layer is an fp8 site of the
     spec's recipe, and every other rule plans too."""
-    from patchdsl.bench.e2e import filtered_spec
+    from patchdsl_tools.bench.e2e import filtered_spec
     from patchdsl.model import load_model
 
     gpu((9, 0), "NVIDIA H200")

@@ -137,7 +137,7 @@ def test_xlm_norm_lists_are_not_norms():
 ])
 def test_suggestion_verifies(family, rule):
     """The suggested spec patches every norm (gated ones included) / the w1-w3-w2 MLPs, and verifies."""
-    from patchdsl.census import build, tiny_family_config
+    from patchdsl.model.tiny import build, tiny_family_config
     from patchdsl.parity import verify
 
     s = suggest(tiny_family(family), dtypes=("fp32",))

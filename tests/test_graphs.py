@@ -460,7 +460,7 @@ def test_gpu_patch_for_training_gives_a_graph_step():
 
 # ----------------------------------------------------------------------------- the e2e bench variant (CPU)
 def test_e2e_has_a_graphs_variant_with_a_spec_and_it_needs_cuda():
-    from patchdsl.bench import e2e
+    from patchdsl_tools.bench import e2e
 
     o = e2e.E2EOptions(device="cpu", batches=(1, 4), seq=8, variants=("patchdsl", "patchdsl+graphs", "liger"))
     rows = e2e.plan_rows(o)

@@ -587,7 +587,7 @@ def test_counts_and_refusals_report_launches():
 def test_gpu_case_builder_runs_here(op_name):
     """The GPU tests' case builder (tests/launch_cases.py) on this machine at tiny sizes: two runs
     give the same bits (the interpreter launches normally)."""
-    from patchdsl.bench.cases import families
+    from patchdsl_tools.bench.cases import families
     from tests.launch_cases import BY_OP, case_for
 
     run = case_for(op_name, dtype="fp32", device="cpu", shape=families()[BY_OP[op_name]].tiny[0])

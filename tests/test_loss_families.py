@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from patchdsl.census import build, tiny_family_config
+from patchdsl.model.tiny import build, tiny_family_config
 from patchdsl.model.forward import causal_lm
 from patchdsl.ops import loss_path
 from patchdsl.parity.reference import float64_mode

@@ -22,7 +22,7 @@ from patchdsl.planning.planner import plan
 
 
 def _cfg(model_type, **over):
-    from patchdsl.census import tiny_family_config
+    from patchdsl.model.tiny import tiny_family_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -37,7 +37,7 @@ def _cfg(model_type, **over):
 
 
 def _model(model_type, seed=0, **over):
-    from patchdsl.census import build
+    from patchdsl.model.tiny import build
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

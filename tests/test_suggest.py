@@ -26,7 +26,7 @@ from .families import FAMILIES, SPEC_OF, tiny_model
 
 def _family_model(model_type: str, meta: bool = True):
     """A tiny model of any installed family, built as the census builds it."""
-    from patchdsl.census import build, tiny_family_config
+    from patchdsl.model.tiny import build, tiny_family_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -179,7 +179,7 @@ def test_suggestion_applies_with_nothing_refused_and_undoes():
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["olmo2", "nemotron"])
 def test_suggestion_verifies(family):
-    from patchdsl.census import build, tiny_family_config
+    from patchdsl.model.tiny import build, tiny_family_config
     from patchdsl.parity import verify
 
     s = suggest(_family_model(family), dtypes=("fp32",))

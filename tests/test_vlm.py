@@ -34,7 +34,7 @@ IMAGE, VIDEO, START, END, BOI, EOI = 500, 501, 502, 503, 504, 505     # special 
 def vlm_model(model_type: str, seed: int = 0):
     """A tiny ``...ForConditionalGeneration`` of ``model_type`` (census shrink), fp32, its image
     tokens inside the tiny vocabulary so that image batches can be built."""
-    from patchdsl.census import build, tiny_family_config
+    from patchdsl.model.tiny import build, tiny_family_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -309,7 +309,7 @@ def test_paligemma_softcap_read_from_the_text_config_is_reproduced():
     """PaliGemma (transformers 5.24) softcaps its logits by ``getattr(self.config.get_text_config(),
     'final_logit_softcapping', None)``: the fused loss reads the same value (5.17's forward applies none,
     and neither does the fused loss there: the steps come from the forward's source)."""
-    from patchdsl.census import build, tiny_family_config
+    from patchdsl.model.tiny import build, tiny_family_config
 
     cfg = tiny_family_config("paligemma")
     cfg.text_config.final_logit_softcapping = 2.0
@@ -332,7 +332,7 @@ def test_other_vision_language_models_language_tower_and_loss(model_type):
     cross-attention layer) and the loss, and the suggestion verifies."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from patchdsl.census import shrink_composite
+    from patchdsl.model.shrink import shrink_composite
     from patchdsl.model.loading import tiny_config
     from patchdsl.planning.suggestion import modules_not_run, suggest
 

@@ -187,7 +187,7 @@ def test_images_asked_of_a_text_only_model_exits_2(tmp_path):
     ("llava_next", ["--images"], True),    # insisted on
 ])
 def test_cli_suggest_keeps_the_vision_tower_where_verify_can_feed_it(family, extra, included, tmp_path):
-    from patchdsl.census import tiny_family_config
+    from patchdsl.model.tiny import tiny_family_config
     from patchdsl.cli import main
     from patchdsl.planning.suggestion import VISION_REASON
 

@@ -43,6 +43,12 @@ def test_wheel_install_finds_data(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     wheels = list(dist.glob("patchdsl-*.whl"))
     assert len(wheels) == 1
+    import zipfile
+
+    names = zipfile.ZipFile(wheels[0]).namelist()
+    # the maintenance tools (tools/patchdsl_tools: census, docgen, bench) stay out of the product
+    assert not [n for n in names if n.startswith(("patchdsl_tools/", "tools/", "patchdsl/bench/"))
+                or n in ("patchdsl/census.py", "patchdsl/docgen.py")], [n for n in names if "tools" in n]
     site = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site), "-q", str(wheels[0])],
                        capture_output=True, text=True)

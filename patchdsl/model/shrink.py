@@ -1,6 +1,6 @@
 """Shrinking a model's configuration to a tiny one when its sizes go by other names or it is a
 composite of towers (vision-language): used by ``load_model(..., tiny=True)`` and by the coverage
-census (:mod:`patchdsl.census`)."""
+census (:mod:`patchdsl_tools.census`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def shrink_composite(cfg, tiny_config):
     cfg = copy.deepcopy(cfg)
     sub = {k: getattr(cfg, k) for k in ("text_config", "vision_config", "audio_config")
            if getattr(cfg, k, None) is not None and hasattr(getattr(cfg, k), "to_dict")}
-    cfg.text_config = _tiny(sub["text_config"], tiny_config)
+    cfg.text_config = shrink_config(sub["text_config"], tiny_config)
     for k, c in sub.items():
         if k != "text_config":
             setattr(cfg, k, _tiny_tower(c, cfg.text_config))
@@ -72,7 +72,7 @@ class _Shim:
         return cls(d)
 
 
-def _tiny(cfg, tiny_config):
+def shrink_config(cfg, tiny_config):
     amap = dict(getattr(cfg, "attribute_map", {}) or {})
     if not amap:
         return tiny_config(cfg)

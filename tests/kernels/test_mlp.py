@@ -326,7 +326,7 @@ def test_a_gated_mlp_is_not_a_plain_mlp():
 
 # ------------------------------------------------------------------ real families (tiny configs)
 def _family(model_type: str):
-    from patchdsl.census import build, tiny_family_config
+    from patchdsl.model.tiny import build, tiny_family_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -26,7 +26,7 @@ from patchdsl.planning.planner import plan
 
 
 def _cfg(model_type):
-    from patchdsl.census import tiny_family_config
+    from patchdsl.model.tiny import tiny_family_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -38,7 +38,7 @@ def _cfg(model_type):
 
 
 def _model(model_type, seed=0):
-    from patchdsl.census import build
+    from patchdsl.model.tiny import build
 
     cfg = _cfg(model_type)
     if model_type == "smollm3":

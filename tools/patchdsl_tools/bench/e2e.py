@@ -28,7 +28,7 @@ same batches:
 (``specs/<name>.kpatch``) or a benchmark variant (``bench/specs/<name>.kpatch`` of a checkout).
 ``--batch 1,4`` gives a row per batch size.
 
-Every row runs in its own process (``python -m patchdsl.bench.e2e --worker``) unless
+Every row runs in its own process (``python -m patchdsl_tools.bench.e2e --worker``) unless
 ``isolate=False``: one variant's allocator state, compiled graphs or rebinding of transformers'
 names (Liger) cannot affect another, and a crash (a CUDA error, a segfault, a hang past its
 time limit) becomes an error row instead of ending the run.  Initial weights agree across
@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..util.vocab import torch_dtype
+from patchdsl.util.vocab import torch_dtype
 from . import timing
 
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -137,7 +137,7 @@ def _model_type(model: str) -> str | None:
     p = Path(model).expanduser()
     cands = [p / "config.json", p] if p.exists() else []
     try:
-        from ..model.loading import shipped_config_path
+        from patchdsl.model.loading import shipped_config_path
 
         sp = shipped_config_path(model)
         if sp is not None:
@@ -155,7 +155,7 @@ def _model_type(model: str) -> str | None:
 
 def default_spec(model: str) -> str:
     """The shipped spec of ``model``'s family (``specs/<family>.kpatch``), by its model_type."""
-    from ..util.resources import specs_dir
+    from patchdsl.util.resources import specs_dir
 
     mt = _model_type(model)
     if mt:
@@ -169,12 +169,12 @@ def default_spec(model: str) -> str:
 
 def bench_specs_dir() -> Path:
     """``bench/specs/`` of the checkout this package runs from (spec variants that are not shipped)."""
-    return Path(__file__).resolve().parents[2] / "bench" / "specs"
+    return Path(__file__).resolve().parents[3] / "bench" / "specs"
 
 
 def resolve_spec(spec: str) -> str:
     """A path, a shipped name (``qwen3``) or a bench variant (``qwen3_addnorm``) -> an existing path."""
-    from ..util.resources import specs_dir
+    from patchdsl.util.resources import specs_dir
 
     p = Path(spec).expanduser()
     if p.is_file():
@@ -216,7 +216,7 @@ def plan_rows(o: E2EOptions) -> list[Row]:
 
 def filtered_spec(spec: str) -> tuple[str, list[str], str]:
     """The spec text with rules whose op is not registered yet removed; (text, dropped rules, path)."""
-    from ..ops.registry import get_op
+    from patchdsl.ops.registry import get_op
 
     path = resolve_spec(spec)
     text = Path(path).read_text()
@@ -237,7 +237,7 @@ def build_model(o: E2EOptions):
     import torch
 
     try:
-        from ..model import load_model
+        from patchdsl.model import load_model
 
         lm = load_model(o.model, dtype=torch_dtype(o.dtype), device=o.device, weights=False,
                         attn_implementation=o.attn, tiny=o.tiny, seed=o.seed, log=None)
@@ -297,7 +297,7 @@ def train(model, batches: list[dict], o: E2EOptions, micro: int, graphed: bool =
     model.train()
     extra: dict[str, Any] = {}
     if graphed:
-        from ..training.graphs import graph_step
+        from patchdsl.training.graphs import graph_step
 
         if not cuda:
             raise ValueError("patchdsl+graphs needs --device cuda (CUDA graphs)")
@@ -378,11 +378,11 @@ def _compile(model, o: E2EOptions, how: str = "plain"):
     if o.compile_mode:
         kw["mode"] = o.compile_mode
     if how == "model":
-        from ..training.compile import compile_model
+        from patchdsl.training.compile import compile_model
 
         return compile_model(model, **kw)
     if how == "regional":
-        from ..training.compile import compile_layers
+        from patchdsl.training.compile import compile_layers
 
         compile_layers(model, **kw)
         return model
@@ -494,15 +494,19 @@ def run_row(o: E2EOptions, row: Row, micro: int, snapshot: dict | None = None) -
 
 # ----------------------------------------------------------------------------- the worker process
 def _package_root() -> str:
-    return str(Path(__file__).resolve().parents[2])
+    """What the worker puts first on its path: the folders of this process's patchdsl and of these tools."""
+    import patchdsl
+
+    here = (Path(patchdsl.__file__).resolve().parents[1], Path(__file__).resolve().parents[2])
+    return os.pathsep.join(dict.fromkeys(str(d) for d in here))
 
 
 def worker_main(req_path: str, out_path: str) -> int:
-    """``python -m patchdsl.bench.e2e --worker REQUEST.json RESULT.json``: one row, result to RESULT.json."""
+    """``python -m patchdsl_tools.bench.e2e --worker REQUEST.json RESULT.json``: one row, result to RESULT.json."""
     req = json.loads(Path(req_path).read_text())
     o = E2EOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in req["options"].items()})
     row = Row(**req["row"])
-    from ..codegen import ensure_triton
+    from patchdsl.codegen import ensure_triton
     from .runner import _finite, environment
 
     ensure_triton()
@@ -583,7 +587,7 @@ def _error_from_tail(tail: list[str]) -> str:
 
 
 def _worker_cmd(req: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "patchdsl.bench.e2e", "--worker", str(req), str(out)]
+    return [sys.executable, "-m", "patchdsl_tools.bench.e2e", "--worker", str(req), str(out)]
 
 
 def _spawn_row(o: E2EOptions, row: Row, micro: int, timeout_s: float, workdir: Path, idx: int) -> dict[str, Any]:
@@ -639,7 +643,7 @@ def run_e2e(o: E2EOptions) -> dict[str, Any]:
     else:
         workdir = None
         doc["isolation"] = "one process (rows one after another)"
-        from ..codegen import ensure_triton
+        from patchdsl.codegen import ensure_triton
 
         ensure_triton()
         try:
@@ -799,6 +803,6 @@ def _line(rec: dict) -> str:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         sys.exit(worker_main(sys.argv[2], sys.argv[3]))
-    print("usage: python -m patchdsl.bench.e2e --worker REQUEST.json RESULT.json  (use `patchdsl bench e2e`)",
+    print("usage: python -m patchdsl_tools.bench.e2e --worker REQUEST.json RESULT.json  (use `patchdsl bench e2e`)",
           file=sys.stderr)
     sys.exit(2)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from ..util.vocab import torch_dtype
+from patchdsl.util.vocab import torch_dtype
 
 IGNORE_INDEX = -100
 

@@ -145,9 +145,9 @@ class Options:
 def plan_variant(fam: Family, shape: dict, dtype: str, target: str, flags: Mapping[str, Any] | None):
     """(KernelKey, site rule) for ``fam`` at ``shape``: the auto plan, or the same rule with ``flags``
     written into the spec (``model.norm: RMSNorm -> fused_rmsnorm(block=256)``), as a user would."""
-    from ..model.index import build_index
-    from ..ops.registry import get_op
-    from ..planning.planner import plan
+    from patchdsl.model.index import build_index
+    from patchdsl.ops.registry import get_op
+    from patchdsl.planning.planner import plan
 
     op = get_op(fam.op)
     if op is None:
@@ -219,7 +219,7 @@ def describe(params: Mapping[str, Any], facts: Mapping[str, Any]) -> str:
 # ----------------------------------------------------------------------------- calling a kernel
 def build_call(fam: Family, key, params: dict, ref_shapes: list) -> Callable:
     """The generated module of ``key`` called as :func:`.runner.build_patchdsl` calls it."""
-    from ..codegen import load_kernel
+    from patchdsl.codegen import load_kernel
 
     b = bind(resolve_entry(load_kernel(key), fam.entry_names)[0], fam.synonyms, fam.canon_order)
 
@@ -300,7 +300,7 @@ def run_shape(fam: Family, shape: dict, o: Options, ctx: runner.Context, target:
                                "kernel": key.name, "status": "ok",
                                "tune": any(v.name == vname for v in TUNE.get(fam.name, ()))}
         try:
-            from ..codegen import render
+            from patchdsl.codegen import render
 
             src = render(key)
             facts = source_facts(src)
@@ -386,7 +386,7 @@ def shapes_for(name: str, fam: Family, tiny: bool) -> list[dict]:
 
 
 def run_specialise(o: Options) -> dict[str, Any]:
-    from ..codegen import ensure_triton, target as codegen_target
+    from patchdsl.codegen import ensure_triton, target as codegen_target
 
     ensure_triton()
     fams = runner.select_families(o.ops)

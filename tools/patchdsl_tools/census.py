@@ -5,8 +5,8 @@ and run on an image batch built from its config (:mod:`patchdsl.parity.images`):
 projector are suggested and verified with the language tower, LM head and loss.  A family for which
 no image batch runs is run on text alone; its vision modules are left out with that reason.
 
-    python -m patchdsl.census                      # every family, writes docs/coverage.md
-    python -m patchdsl.census llama olmo2 --no-verify --out -   # some families, to stdout
+    python -m patchdsl_tools.census                      # every family, writes docs/coverage.md
+    python -m patchdsl_tools.census llama olmo2 --no-verify --out -   # some families, to stdout
     patchdsl census ...                            # the same
 
 Per family: a tiny config (the family's default config shrunk by
@@ -22,7 +22,6 @@ leaves the rows it reached (and says so in the header).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import re
 import signal
@@ -32,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from .model.shrink import _tiny, shrink_composite  # noqa: F401  (shrink_composite: re-exported)
+from patchdsl.model.tiny import MAX_TINY_PARAMS, build, meta_params, quiet, short_error, tiny_family_config, vl_families
+from patchdsl.parity.images import image_recipe_of
 
 COLUMNS = ("norms", "attention", "mlp", "loss")
 HEADER = ("family", "model class", "norms", "MLPs", "attention", "loss", "verify", "not covered")
@@ -94,66 +94,12 @@ def families(vl: bool = True) -> list[str]:
     return sorted(out)
 
 
-def vl_families() -> list[str]:
-    """Vision-language model types (an image-text-to-text class) without a causal-LM class."""
-    from transformers.models.auto import modeling_auto as ma
-
-    vl = getattr(ma, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {})
-    return sorted(set(vl) - set(ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+class _Timeout(Exception):
+    pass
 
 
-def _short(e: BaseException, n: int = 120) -> str:
-    s = " ".join(str(e).split())
-    s = re.sub(r"\s+", " ", s)
-    s = s.replace("|", "/")
-    return f"{type(e).__name__}: {s[:n]}" + ("..." if len(s) > n else "")
-
-
-def tiny_family_config(model_type: str):
-    """The family's default config, shrunk (raises when the family has no config that shrinks)."""
-    from transformers import AutoConfig
-
-    from .model.loading import tiny_config
-
-    cfg = AutoConfig.for_model(model_type)
-    if getattr(cfg, "text_config", None) is not None and hasattr(cfg.text_config, "to_dict"):
-        cfg = shrink_composite(cfg, tiny_config)
-    else:
-        cfg = _tiny(cfg, tiny_config)
-    for c in (cfg, getattr(cfg, "text_config", None)):
-        # a default config that leaves head_dim None (Hunyuan, Ministral): the modeling code reads
-        # config.head_dim as it is, so give it the hidden / heads it means
-        if c is not None and "head_dim" in vars(c) and c.head_dim is None and getattr(c, "num_attention_heads", None):
-            c.head_dim = c.hidden_size // c.num_attention_heads
-    cfg._attn_implementation = "eager"
-    # routed experts run as plain loops: verify's float64 reference cannot run grouped_mm
-    cfg._experts_implementation = "eager"
-    return cfg
-
-
-def build(cfg, seed: int = 0):
-    """The family's causal LM (its image-text-to-text model for a vision-language family), fp32, CPU."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    if cfg.model_type in vl_families():
-        from transformers import AutoModelForImageTextToText
-
-        return AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-
-
-MAX_TINY_PARAMS = 40_000_000      # 160 MB in fp32; a tiny config is far below (Qwen3's: 0.2M)
-
-
-def _meta_params(cfg) -> int:
-    """Parameters of the family's model built on the meta device (no memory)."""
-    import torch
-
-    with torch.device("meta"):
-        m = build(cfg)
-    return sum(p.numel() for p in m.parameters())
+def _alarm(_sig, _frame):
+    raise _Timeout()
 
 
 class _Timeout(Exception):
@@ -164,26 +110,10 @@ def _alarm(_sig, _frame):
     raise _Timeout()
 
 
-@contextlib.contextmanager
-def quiet():
-    """transformers' warnings and log lines (about tiny configs, missing fast kernels, ...) silenced
-    while building and running a family's tiny model."""
-    import logging
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            yield
-        finally:
-            logging.disable(logging.NOTSET)
-
-
 def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_TIMEOUT_S) -> Row:
     """One family's row (never raises for a family's failure)."""
 
-    from .planning.suggestion import suggest
+    from patchdsl.planning.suggestion import suggest
 
     row = Row(model_type)
     old = signal.signal(signal.SIGALRM, _alarm) if hasattr(signal, "SIGALRM") else None
@@ -194,12 +124,12 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
             try:
                 cfg = tiny_family_config(model_type)
             except Exception as e:
-                row.notes.append(f"no tiny config: {_short(e)}")
+                row.notes.append(f"no tiny config: {short_error(e)}")
                 return row
             try:
-                n_params = _meta_params(cfg)
+                n_params = meta_params(cfg)
             except Exception as e:
-                row.notes.append(f"does not build (on the meta device, where its size is checked): {_short(e)}")
+                row.notes.append(f"does not build (on the meta device, where its size is checked): {short_error(e)}")
                 return row
             if n_params > MAX_TINY_PARAMS:
                 # a tower the shrink does not reach (a vision encoder at full size): building it would
@@ -210,24 +140,24 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
             try:
                 model = build(cfg)
             except Exception as e:
-                row.notes.append(f"does not build: {_short(e)}")
+                row.notes.append(f"does not build: {short_error(e)}")
                 return row
             row.model_class = type(model).__name__
             try:
                 _trains(model)
             except Exception as e:
-                row.notes.append(f"the tiny model does not train unpatched: {_short(e)}")
+                row.notes.append(f"the tiny model does not train unpatched: {short_error(e)}")
                 row.verify = "-"
                 return row
-            recipe, why = _image_recipe(model)
+            recipe, why = image_recipe_of(model)
             try:
-                from .planning.suggestion import modules_not_run
+                from patchdsl.planning.suggestion import modules_not_run
 
                 inputs = recipe.batch(__import__("torch").Generator().manual_seed(0), 1, 8) if recipe else None
                 s = suggest(model, dtypes=("fp32",), skip=modules_not_run(model, inputs=inputs),
                             images=True if recipe is not None else (why or None))
             except Exception as e:
-                row.notes.append(f"suggest failed: {_short(e)}")
+                row.notes.append(f"suggest failed: {short_error(e)}")
                 return row
             row.counts = s.counts()
             row.notes.extend(_notes(s))
@@ -235,7 +165,7 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
                 row.verify = "-"
                 return row
             if verify:
-                from .parity import verify as run_verify
+                from patchdsl.parity import verify as run_verify
 
                 try:
                     rep = run_verify(s.text, lambda: build(cfg), dtype="fp32", batch=1, seq=8, device="cpu",
@@ -247,7 +177,7 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
                             row.notes.append("verify failed at " + ", ".join(p or "<model>" for p in bad))
                 except Exception as e:
                     row.verify = "error"
-                    row.notes.append(f"verify: {_short(e)}")
+                    row.notes.append(f"verify: {short_error(e)}")
     except _Timeout:
         row.verify = "timeout"
         row.notes.append(f"stopped after {timeout_s} s")
@@ -256,43 +186,6 @@ def census_row(model_type: str, *, verify: bool = True, timeout_s: int = FAMILY_
             signal.alarm(0)
             signal.signal(signal.SIGALRM, old)
     return row
-
-
-def _image_recipe(model):
-    """(the image recipe, "") for a vision-language model an image batch runs on; (None, why not) for
-    one it does not; (None, "") for a text-only model."""
-    if getattr(model.config, "vision_config", None) is None:
-        return None, ""
-    from .parity.images import image_recipe
-
-    return image_recipe(model, batch=1, seq=8)
-
-
-def image_batch_check(config) -> tuple[bool | None, str]:
-    """Whether verify's image batch (:mod:`patchdsl.parity.images`) runs on a tiny model shrunk from
-    ``config`` (a copy; random weights, CPU): (True, ""), (False, why not), or (None, why it was not
-    tried: the shrunk model does not build or is still large).  ``patchdsl suggest`` asks this before
-    keeping a vision tower's rules, so that verify of its suggestion can judge them."""
-    import copy
-    import warnings
-
-    from .model.loading import tiny_config
-
-    with quiet():
-        try:
-            cfg = copy.deepcopy(config)
-            cfg = shrink_composite(cfg, tiny_config) if hasattr(getattr(cfg, "text_config", None), "to_dict") \
-                else _tiny(cfg, tiny_config)
-            cfg._attn_implementation = "eager"
-            if _meta_params(cfg) > MAX_TINY_PARAMS:
-                return None, "its shrunk config is still large: not tried"
-            model = build(cfg)
-        except Exception as e:
-            return None, f"a tiny model of its config does not build: {_short(e)}"
-    with warnings.catch_warnings():           # (transformers' log lines are shown again here)
-        warnings.simplefilter("ignore")
-        r, why = _image_recipe(model)
-    return r is not None, why
 
 
 def _trains(model) -> None:
@@ -345,7 +238,7 @@ def summary(rows: list[Row]) -> list[str]:
 def render(rows: list[Row], *, total: int | None = None, date: str | None = None, verify: bool = True) -> str:
     date = date or _dt.date.today().isoformat()
     lines = ["# Coverage of the installed transformers' causal-LM and vision-language families", "",
-             f"Generated by `python -m patchdsl.census` on {date} ({_versions()}); do not edit by hand.",
+             f"Generated by `python -m patchdsl_tools.census` on {date} ({_versions()}); do not edit by hand.",
              "Per family: its default config shrunk to a tiny one (2 layers, random weights, CPU, fp32), "
              "`patchdsl suggest`, the suggestion planned, and `patchdsl verify` of it (batch 1 x 8 tokens)"
              + ("" if verify else " (not run: --no-verify)") + ".",

@@ -1,9 +1,9 @@
-"""Generate docs/ops.md from the op registry: ``python -m patchdsl.docgen > docs/ops.md``."""
+"""Generate docs/ops.md from the op registry: ``python -m patchdsl_tools.docgen > docs/ops.md``."""
 
 from __future__ import annotations
 
-from .model.kinds import KIND_DOCS
-from .ops.registry import ops
+from patchdsl.model.kinds import KIND_DOCS
+from patchdsl.ops.registry import ops
 
 
 def _v(v) -> str:
@@ -17,7 +17,7 @@ def _v(v) -> str:
 
 
 def render_ops_md() -> str:
-    lines = ["# Ops", "", "Generated from the op registry by `python -m patchdsl.docgen`; do not edit by hand.", "",
+    lines = ["# Ops", "", "Generated from the op registry by `python -m patchdsl_tools.docgen`; do not edit by hand.", "",
              "## Structural kinds", "", "| kind | recognised as |", "|---|---|"]
     for name, doc in KIND_DOCS.items():
         lines.append(f"| `{name}` | {doc} |")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from . import timing
-from ..util.vocab import DTYPE_BYTES
+from patchdsl.util.vocab import DTYPE_BYTES
 from .cases import (Family, NotImplementedYet, Unavailable, as_tuple, bind, families,
                     resolve_entry)
 
@@ -101,8 +101,8 @@ def _nbytes(ts) -> int:
 
 def plan_key(fam: Family, op: Any, shape: dict, dtype: str, target: str):
     """The KernelKey a real model of these sizes would get: a one-rule spec planned on a meta model."""
-    from ..model.index import build_index
-    from ..planning.planner import plan
+    from patchdsl.model.index import build_index
+    from patchdsl.planning.planner import plan
 
     model, prefer = fam.plan_model(shape, dtype)
     index = build_index(model)
@@ -141,8 +141,8 @@ class Entry(NamedTuple):
 
 
 def patchdsl_entry(fam: Family, shape: dict, dtype: str, target: str) -> Entry:
-    from ..codegen import load_kernel
-    from ..ops.registry import get_op
+    from patchdsl.codegen import load_kernel
+    from patchdsl.ops.registry import get_op
 
     op = get_op(fam.op)
     if op is None:
@@ -173,7 +173,7 @@ def build_patchdsl(fam: Family, params: dict, shape: dict, dtype: str, target: s
 def build_impl(fam: Family, impl: str, params: dict, shape: dict, ctx: Context, ref_shapes: list):
     o = ctx.opts
     if impl == "patchdsl":
-        from ..codegen import target
+        from patchdsl.codegen import target
 
         return build_patchdsl(fam, params, shape, o.dtype, target(), ref_shapes)
     if impl == "hf":
@@ -382,7 +382,7 @@ def run_unit(fam: Family, group: str, shape: dict, impl: str, ctx: Context) -> d
         # ---- eager per-call wall and host time
         try:
             wall_ms, lo = (40.0, 5) if cuda else (min(40.0, o.target_ms), 1)
-            from ..kernel_support import launch as _launch
+            from patchdsl.kernel_support import launch as _launch
             n0 = _launch.counts()
             ew = timing.eager_wall(fwd_calls, dev, target_ms=wall_ms, lo=lo)
             rec["eager_fwd_ms"], rec["host_fwd_us"] = ew["eager_ms"], ew["host_us"]
@@ -467,7 +467,7 @@ def environment(device: str) -> dict[str, Any]:
 
     import torch
 
-    from .._version import __version__
+    from patchdsl._version import __version__
 
     def ver(dist: str) -> str | None:
         try:
@@ -491,7 +491,7 @@ def environment(device: str) -> dict[str, Any]:
     try:
         import subprocess
 
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[3]
         r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                            text=True, timeout=5)
         env["git"] = r.stdout.strip() or None
@@ -594,7 +594,7 @@ def _finite(o):
 
 
 def run_ops(opts: Options, on_result: Callable[[dict], None] | None = None) -> dict[str, Any]:
-    from ..codegen import ensure_triton
+    from patchdsl.codegen import ensure_triton
 
     ensure_triton()
     ctx = Context(opts)
