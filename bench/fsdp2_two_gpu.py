@@ -11,7 +11,7 @@ Two H200s (what the lead runs; ~10 minutes, most of it the float64 reference):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \\
         bench/fsdp2_two_gpu.py --steps 20 --batch 8 --seq 2048 --out bench/results/fsdp2_two_gpu.json
 
-CPU smoke run (gloo, tiny model; tests/test_distributed.py runs this):
+CPU smoke run (gloo, tiny model; tests/training/test_distributed.py runs this):
 
     torchrun --standalone --nproc-per-node 2 bench/fsdp2_two_gpu.py --device cpu --tiny --dtype fp32 \\
         --steps 2 --batch 1 --seq 8 --variants unpatched,patched

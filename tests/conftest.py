@@ -5,7 +5,7 @@ import tempfile
 
 # CPU threads: each pytest-xdist worker gets its share of the cores.  torch's default (every core in
 # every worker, and in every subprocess a test starts) oversubscribes the CPU: with `-n 2` on the
-# 2-core CI machine, OpenMP's waiting threads made tests/test_mutations.py take 76 s instead of 30.
+# 2-core CI machine, OpenMP's waiting threads made tests/runtime/test_mutations.py take 76 s instead of 30.
 # Set before torch is imported (OpenMP reads the variable once); subprocesses inherit it.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:

@@ -1,4 +1,4 @@
-"""Child processes of tests/test_distributed.py: ``python -m tests.dist_workers {accelerate,deepspeed} OUT``.
+"""Child processes of tests/training/test_distributed.py: ``python -m tests.dist_workers {accelerate,deepspeed} OUT``.
 
 Each trains the same tiny Qwen3 (tied embeddings) unpatched and patched with the same batches and
 writes the per-step losses (and what it saw of the LM head's weight) as JSON to OUT from rank 0.
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-# (also imported by tests/test_distributed.py: never switch a GPU process over to the interpreter)
+# (also imported by tests/training/test_distributed.py: never switch a GPU process over to the interpreter)
 import patchdsl  # noqa: E402,F401  (its import switches the interpreter on when there is no GPU)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,4 @@
-"""Inputs for the GPU launch tests (tests/test_launch.py): one forward + backward of each
+"""Inputs for the GPU launch tests (tests/kernel_support/test_launch.py): one forward + backward of each
 generated module, planned as the bench plans it, on fixed-seed inputs made afresh per call."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ torch < 2.14).  The compiled model then builds a full (batch, 1, seq, seq) mask 
 it and ``is_causal=False``: no flash / cuDNN causal kernel, and no GQA inside SDPA, so every layer
 materialises K and V repeated to all query heads (``repeat_kv``: a clone each) and saves them for
 backward.  That, not the patched ops, is where the compiled step lost (bench/NOTES.md, round five);
-on the CPU ``tests/test_compile_perf.py`` pins it.
+on the CPU ``tests/training/test_compile_perf.py`` pins it.
 
 * :func:`compile_layers` compiles each decoder layer (``layer.compile(**kw)``): the mask is built
   eagerly, outside the compiled regions, exactly as in eager; the embedding, the final norm and the

@@ -7,7 +7,7 @@ A causal LM patched with ``lm_head: Linear -> fused_linear_logprobs`` answers
 (:func:`token_logprobs` wraps that call).  The functions here turn those into the losses TRL
 computes, with TRL's formulas (trl 1.x ``DPOTrainer._compute_loss`` loss_type ``"sigmoid"``,
 ``GRPOTrainer._compute_loss`` loss types ``grpo`` / ``bnpo`` / ``dr_grpo`` / ``dapo``), so that the
-numbers match TRL's within rounding; ``tests/test_posttrain.py`` checks them against a float64
+numbers match TRL's within rounding; ``tests/training/test_posttrain.py`` checks them against a float64
 re-implementation and against TRL's own trainers.  See docs/post-training.md.
 
 Everything is plain tensor arithmetic (no ``.item()``, no host synchronisation).
@@ -224,7 +224,7 @@ class FusedGKDLoss:
     TRL's own ``compute_loss`` pairs ``logits[:, :-1]`` with ``labels[:, 1:]``, calls
     ``generalized_jsd_loss(..., beta=self.beta, num_items_in_batch=...)`` at temperature 1 (GKDConfig's
     temperature is for sampling) and returns the student's outputs with ``return_outputs``; this
-    gives the same loss (tests/test_distill.py) and, with ``return_outputs``, the student's output
+    gives the same loss (tests/training/test_distill.py) and, with ``return_outputs``, the student's output
     without logits.  The patched student's beta must equal ``self.beta`` and its temperature 1
     (checked: a ValueError says which differs).
     """

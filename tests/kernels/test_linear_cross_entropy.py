@@ -547,7 +547,7 @@ def test_unknown_tile_is_refused():
 @pytest.mark.parametrize("reduction", ["sum", "none"])
 def test_fused_custom_ops_pass_opcheck(reduction):
     """Schema, fake tensors and the autograd registration of both fused ops (the llama run of
-    tests/test_compile.py checks reduction=mean as a patched model calls them)."""
+    tests/training/test_compile.py checks reduction=mean as a patched model calls them)."""
     n, hidden, n_vocab = 12, 32, 96
     h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=13)
     mod = kernels(n_vocab, hidden, "fp32", bias=True, mode="fused", reduction=reduction)

@@ -40,7 +40,7 @@ def _inputs(rows, hidden, dtype, seed=0, scale=1.0):
 
 def to_bf16_as_triton(t):
     """fp32 -> bf16 the way the kernel's casts round: to nearest even, on the GPU and (patchdsl's
-    fix of its truncation, tests/test_bf16_rounding.py) under the interpreter."""
+    fix of its truncation, tests/kernel_support/test_interpreter_bf16_rounding.py) under the interpreter."""
     return t.float().to(torch.bfloat16)
 
 

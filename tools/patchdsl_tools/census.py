@@ -37,7 +37,7 @@ from patchdsl.parity.images import image_recipe_of
 COLUMNS = ("norms", "attention", "mlp", "loss")
 HEADER = ("family", "model class", "norms", "MLPs", "attention", "loss", "verify", "not covered")
 FAMILY_TIMEOUT_S = 150
-# the sample CI recomputes (tests/test_census.py): cheap, and one family of each situation
+# the sample CI recomputes (tests/tools/test_census.py): cheap, and one family of each situation
 CI_SAMPLE = ("llama", "nemotron", "gpt_neox", "llava")
 
 
