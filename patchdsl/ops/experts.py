@@ -118,7 +118,7 @@ class FusedExperts(Op):
     def make_forward(self, module, kernels, flags, info):
         import torch
 
-        from ..model.kinds.experts import _expert_forward
+        from ..model.kinds.experts import expert_forward as _expert_forward
 
         eager = _expert_forward(module)
         f = info.facts("Experts")

@@ -10,7 +10,7 @@ from ..ops.base import Op
 from ..model.kinds import KIND_NAMES
 from ..syntax.ast import Rule
 
-from ..syntax.selectors import _RANGE, _split_top, class_glob_regex, compile_selector
+from ..syntax.selectors import RANGE, split_top, class_glob_regex, compile_selector
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ def brace_members(text: str, limit: int = MAX_MEMBERS) -> list[str]:
                 depth -= 1
                 if depth == 0:
                     inner = t[start + 1:k]
-                    parts = [p for p, _ in _split_top(inner)]
-                    if len(parts) > 1 or not _RANGE.fullmatch(inner):
+                    parts = [p for p, _ in split_top(inner)]
+                    if len(parts) > 1 or not RANGE.fullmatch(inner):
                         todo.extend(t[:start] + p + t[k + 1:] for p in parts)
                         break
         else:

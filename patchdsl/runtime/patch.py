@@ -188,7 +188,7 @@ class PatchHandle:
         return s
 
 
-def _set(handle: PatchHandle, record: SiteRecord | None, obj: Any, attr: str, value: Any) -> None:
+def set_recorded(handle: PatchHandle, record: SiteRecord | None, obj: Any, attr: str, value: Any) -> None:
     old = obj.__dict__.get(attr, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, attr, _MISSING)
     handle._undo.append((obj, attr, old, value))
     setattr(obj, attr, value)
@@ -419,13 +419,13 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                 continue
             record = SiteRecord(f"{site.op} from {site.rule}")
             for obj, attr, value in installs:
-                _set(handle, record if obj is host else None, obj, attr, value)
-            _set(handle, None, host, SITE_ATTR, record)
+                set_recorded(handle, record if obj is host else None, obj, attr, value)
+            set_recorded(handle, None, host, SITE_ATTR, record)
             handle.patched.append(site.path)
         if plan.attention is not None:
             # the model's attention implementation, on this instance only (see ops/attention_impl.py)
             for obj, attr, value in plan.attention.install(model):
-                _set(handle, None, obj, attr, value)
+                set_recorded(handle, None, obj, attr, value)
     except BaseException:
         handle.undo()
         raise
@@ -458,6 +458,6 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
             if why:
                 handle.undo()
                 raise PatchError(f"refused {op_name} on {type(module).__name__}: {why}")
-        _set(handle, None, obj, attr, value)
+        set_recorded(handle, None, obj, attr, value)
     handle.patched.append("")
     return handle

@@ -53,7 +53,7 @@ def patch_trainer(trainer: Any, spec: Any, **apply_kwargs: Any) -> list:
     forward, so the autocast is put back around patchdsl's (the policy is prepared later, in
     ``train()``, and keeps its own).
     """
-    from ..runtime.patch import _set, apply
+    from ..runtime.patch import apply, set_recorded
 
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -69,7 +69,7 @@ def patch_trainer(trainer: Any, spec: Any, **apply_kwargs: Any) -> list:
                 with acc.autocast():
                     return fused(*args, **kwargs)
 
-            _set(h, None, ref, "forward", forward_under_autocast)
+            set_recorded(h, None, ref, "forward", forward_under_autocast)
         handles.append(h)
     return handles
 

@@ -743,7 +743,7 @@ def test_fused_experts_with_a_wrong_clamp_fails_against_the_reference():
     w = torch.rand(6, 2, generator=g, dtype=torch.float64)
     with torch.no_grad():
         ex.gate_up_proj.mul_(3)
-        out = KE._expert_forward(ex)(ex, x, idx, w)
+        out = KE.expert_forward(ex)(ex, x, idx, w)
         args = (x, idx, w, ex.gate_up_proj, ex.down_proj, None, None)
         assert torch.allclose(KR.experts_reference(*args, f), out, rtol=1e-9, atol=1e-10)
         assert not torch.allclose(KR.experts_reference(*args, dict(f, activation="silu")), out, rtol=1e-3)

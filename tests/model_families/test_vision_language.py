@@ -219,7 +219,7 @@ def test_a_text_config_vocab_size_other_than_the_lm_heads_is_refused():
     causal_lm._SHAPES.clear()
     with pytest.raises(PatchError, match=r"vocab_size=config\.text_config\.vocab_size = 777.*lm_head has 512"):
         patch_module(m, FLCE)
-    assert causal_lm._read_value(m, "self.config.get_text_config().vocab_size") == 777
+    assert causal_lm.read_value(m, "self.config.get_text_config().vocab_size") == 777
 
 
 _VARIANT = """

@@ -575,14 +575,14 @@ def _aux_value(host: Any, source: str, a: Mapping[str, Any]) -> Any:
     def ev(e: ast.expr) -> Any:
         src = _src(e)
         if src in _AUX_ARGS:
-            return a.get(src) if not src.startswith("self.") else _read_value(host, src)
+            return a.get(src) if not src.startswith("self.") else read_value(host, src)
         f = {"math.floor": math.floor, "math.sqrt": math.sqrt, "math.ceil": math.ceil, "int": int}[_src(e.func)]
         return f(ev(e.args[0]))
 
     return ev(e)
 
 
-def _read_value(host: Any, source: str) -> Any:
+def read_value(host: Any, source: str) -> Any:
     """The value of ``self.a.b`` (``source``) on ``host``; ``getattr(self.config.get_text_config(),
     'name', None)`` (a vision-language forward's softcap, :data:`KNOWN_SOFTCAPS`) too."""
     pre = "getattr(self.config.get_text_config(), '"
@@ -606,7 +606,7 @@ def head_transform(host: Any) -> tuple[dict[str, Any] | None, str | None]:
     mul, div, cap = 1.0, 1.0, None
     for where, kind, source in shape.steps:
         try:
-            v = _read_value(host, source)
+            v = read_value(host, source)
         except AttributeError:
             return None, f"{type(host).__name__}.forward reads {source}, which this model does not have"
         if v is None:
@@ -691,7 +691,7 @@ def host_reason(host: Any, info: ModuleInfo, flags: Mapping[str, Any], op: str) 
     vs = forward_shape(type(host)).vocab_source
     if vs and vs.startswith("self.config.") and "text_config" in vs:    # a vision-language model's language tower
         try:
-            v = _read_value(host, vs)
+            v = read_value(host, vs)
         except AttributeError:
             v = None
         if isinstance(v, int) and v != lm.out_features:

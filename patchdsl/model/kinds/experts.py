@@ -87,7 +87,7 @@ def _clamp_attrs(m: Any) -> tuple[float, float] | None:
     return None
 
 
-def _expert_forward(m: Any):
+def expert_forward(m: Any):
     fwd = type(m).forward
     return getattr(fwd, "__wrapped__", fwd)    # the eager loop, not the registry's dispatch
 
@@ -115,7 +115,7 @@ def experts(m: Any) -> dict | None:
     if not acts:
         return None
     E = p["E"]
-    fwd = _expert_forward(m)
+    fwd = expert_forward(m)
     g = torch.Generator().manual_seed(11)
     T, h, i, k = 6, 8, 4, min(2, E)
     x = torch.randn(T, h, generator=g, dtype=torch.float64)
@@ -178,7 +178,7 @@ def experts_misfit(m: Any) -> str:
         return (f"{cls}'s gate_up_proj {list(gu.shape)} / down_proj {list(dn.shape)} are not [E, 2I, H] / "
                 "[E, H, I] (nor transposed) with matching biases")
     try:
-        params = list(inspect.signature(_expert_forward(m)).parameters.values())[1:]
+        params = list(inspect.signature(expert_forward(m)).parameters.values())[1:]
     except (TypeError, ValueError):
         params = []
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 from ..common import signature_binder
 from ...model.modules import unwrap
 from .sharding import call_as_forward, head_gather, unsharded_reason
-from ...model.forward.causal_lm import ForwardShape, _read_value, forward_shape, host_body, router_loss
+from ...model.forward.causal_lm import ForwardShape, read_value, forward_shape, host_body, router_loss
 
 
 # --------------------------------------------------------------------------- runtime helpers
@@ -105,13 +105,13 @@ def head_logits(host: Any, hidden: Any, shape: ForwardShape) -> Any:
 
     for where, kind, source in shape.steps:
         if where == "hidden":
-            v = _read_value(host, source)
+            v = read_value(host, source)
             hidden = hidden * v if kind == "mul" else hidden / v
     logits = host.lm_head(hidden)
     for where, kind, source in shape.steps:
         if where != "logits":
             continue
-        v = _read_value(host, source)
+        v = read_value(host, source)
         if kind == "softcap":
             if v is not None:
                 logits = torch.tanh(logits / v) * v
