@@ -10,7 +10,9 @@ from typing import Any, Callable, Mapping
 from ..common import signature_binder
 from ...model.modules import unwrap
 from .sharding import call_as_forward, head_gather, unsharded_reason
-from ...model.forward.causal_lm import ForwardShape, read_value, forward_shape, host_body, router_loss
+from ...model.forward.causal_lm import ForwardShape, forward_shape, host_body
+from ...model.forward.router_loss import router_loss
+from ...model.forward.values import read_value
 
 
 # --------------------------------------------------------------------------- runtime helpers
