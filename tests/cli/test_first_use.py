@@ -73,7 +73,7 @@ def test_json_errors_are_a_document_on_stdout(name):
 
 def test_every_command_has_the_same_json_option():
     """--json is cli.json_option wherever it appears (a new command takes it with @json_option)."""
-    from patchdsl.cli import json_option
+    from patchdsl.cli.app import json_option
 
     ref = next(p for p in json_option(lambda **k: None).__click_params__)
     helps = {name: [p for p in cmd.params if "--json" in p.opts] for name, cmd in main.commands.items()}
@@ -96,7 +96,7 @@ def test_json_success_is_one_document_on_stdout(args):
 def test_ctrl_c_is_exit_130(monkeypatch, raised, as_json):
     import click
 
-    import patchdsl.cli as cli
+    import patchdsl.cli.commands as cli        # where the plan command looks _read_spec up
 
     def interrupted(*a, **k):
         raise click.Abort() if raised == "abort" else KeyboardInterrupt()
@@ -109,7 +109,7 @@ def test_ctrl_c_is_exit_130(monkeypatch, raised, as_json):
 
 
 def test_apply_and_verify_default_to_the_same_dtype():
-    from patchdsl.cli import _default_dtype
+    from patchdsl.cli.app import _default_dtype
 
     for name in ("apply", "verify"):
         opt = next(p for p in main.commands[name].params if p.name == "dtype")
