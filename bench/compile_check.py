@@ -7,7 +7,7 @@
     python3 bench/compile_check.py --device cpu --dtype fp32 --tiny --backend aot_eager --batch 2 --seq 8 \
         --steps 1 --warmup 1
 
-Builds the model from patchdsl/models/configs (random weights, seed 0, bf16, sdpa), patches it with
+Builds the model from patchdsl/model/configs (random weights, seed 0, bf16, sdpa), patches it with
 the spec, and trains the same batches with AdamW twice, each in a fresh process:
 
 * ``eager``:   the patched model as it is;
@@ -33,7 +33,6 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import patchdsl  # noqa: E402  (first: it switches Triton's interpreter on before anything imports triton)
 
@@ -41,7 +40,7 @@ ATOL, RTOL = 1e-2, 5e-2
 
 
 def _options(a):
-    from patchdsl.bench.e2e import E2EOptions
+    from patchdsl_tools.bench.e2e import E2EOptions
 
     return E2EOptions(device=a.device, model=a.model, spec=a.spec, dtype=a.dtype, batch=a.batch, seq=a.seq,
                       micro_batch=a.micro_batch, steps=a.steps, warmup=a.warmup, attn="sdpa", quiet=True,
@@ -55,7 +54,7 @@ def child(a) -> dict:
     import torch
     import torch._dynamo
 
-    from patchdsl.bench.e2e import build_model, filtered_spec, make_batches, train
+    from patchdsl_tools.bench.e2e import build_model, filtered_spec, make_batches, train
 
     o = _options(a)
     model, source = build_model(o)

@@ -13,7 +13,7 @@ one decoder layer (q, k, v, o, gate, up, down) at the layer's real sizes and tok
 
 Each piece is timed as a CUDA graph of repeated calls (median replay); quantisation kernels report
 GB/s (bytes read + written), GEMMs TFLOP/s.  The layer totals count an input shared by siblings once
-(q/k/v read one x, gate/up another: the generated module quantises it once, ``codegen.share``), and
+(q/k/v read one x, gate/up another: the generated module quantises it once, ``kernel_support.share``), and
 give recipe=rowwise_with_gw_hp's layer from the same pieces (grad_weight as the bf16 GEMM instead).
 Writes fp8.json / fp8.txt under --out; prints ``fp8: ...`` last (a measurement, never a pass/fail).
 
@@ -30,8 +30,6 @@ import sys
 import time
 import zlib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # name -> (hidden, intermediate, kv width (heads x head_dim), tokens): the e2e benches' shapes
 SHAPES = {
@@ -52,7 +50,7 @@ X_PIECES = ("quant x rows", "quant x cols^T")      # per input: counted once per
 
 def kernel_module(k, n, tiny):
     from patchdsl.codegen import KernelKey, load_kernel
-    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.model.info import ModuleInfo
     from patchdsl.ops.registry import get_op
 
     op = get_op("fp8_linear")
@@ -63,7 +61,7 @@ def kernel_module(k, n, tiny):
 
 
 def timer(dev):
-    from patchdsl.bench import timing
+    from patchdsl_tools.bench import timing
 
     def t(fn, reps=4):
         if dev == "cuda":
@@ -132,7 +130,7 @@ def measure_projection(name, k, n, m, dev, tiny, t):
             f(xr, wr).backward(dy)
         return run
 
-    from patchdsl.codegen import share
+    from patchdsl.kernel_support import share
 
     with share.switched(False):                  # one projection alone: nothing to share
         res["whole bf16 ms"] = t(whole(lambda a, c: torch.nn.functional.linear(a, c)), reps=1)

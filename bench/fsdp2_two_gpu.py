@@ -11,12 +11,12 @@ Two H200s (what the lead runs; ~10 minutes, most of it the float64 reference):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \\
         bench/fsdp2_two_gpu.py --steps 20 --batch 8 --seq 2048 --out bench/results/fsdp2_two_gpu.json
 
-CPU smoke run (gloo, tiny model; tests/test_distributed.py runs this):
+CPU smoke run (gloo, tiny model; tests/training/test_distributed.py runs this):
 
     torchrun --standalone --nproc-per-node 2 bench/fsdp2_two_gpu.py --device cpu --tiny --dtype fp32 \\
         --steps 2 --batch 1 --seq 8 --variants unpatched,patched
 
-All options: ``--help`` (the logic is patchdsl/bench/fsdp2.py).
+All options: ``--help`` (the logic is tools/patchdsl_tools/bench/fsdp2.py).
 """
 
 import os
@@ -27,7 +27,6 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from patchdsl.bench.fsdp2 import main
+    from patchdsl_tools.bench.fsdp2 import main
 
     sys.exit(main())

@@ -260,7 +260,7 @@ for part in $PARTS; do
             --impls patchdsl,hf,liger --json-out "$WORK/ops_jsd.json" --no-png --budget $(( lj - 8 )) --target-ms 30
         fi
       else
-        fams=$(timeout 60 python3 -c "from patchdsl.bench.cases import families; print(','.join(n for n in families() if any(k in n for k in ('logprob', 'jsd', 'dpo', 'grpo', 'kl'))))" 2>>"$LOG")
+        fams=$(timeout 60 python3 -c "from patchdsl_tools.bench.cases import families; print(','.join(n for n in families() if any(k in n for k in ('logprob', 'jsd', 'dpo', 'grpo', 'kl'))))" 2>>"$LOG")
         if [ -n "$fams" ]; then
           run_part posttrain "$lim" python3 -m patchdsl.cli bench ops --ops "$fams" --no-sweep --impls patchdsl,hf,liger \
             --json-out "$WORK/ops_posttrain.json" --no-png --budget $(( lim - 12 )) --target-ms 30

@@ -4,7 +4,7 @@
     python3 bench/host_breakdown.py --compare BEFORE.json AFTER.json
 
 Per op, at the bench's issue shape (``--tiny``: the tiny shapes, for a CPU smoke run), in ONE
-process, each row timed as ``bench ops`` times ``host_fwd_us`` (``patchdsl.bench.timing.eager_wall``:
+process, each row timed as ``bench ops`` times ``host_fwd_us`` (``patchdsl_tools.bench.timing.eager_wall``:
 N calls issued back to back, CPU time per call while the GPU works):
 
   loop            an empty lambda through the same loop (what the loop itself costs)
@@ -44,10 +44,10 @@ def _noop(*args, **kwargs):
 def breakdown(fam, shape: dict, dtype: str, device: str, target_ms: float, lo: int) -> dict:
     import torch
 
-    from patchdsl.bench import timing
-    from patchdsl.bench.cases import as_tuple
-    from patchdsl.bench.runner import _gen, build_patchdsl, patchdsl_entry
-    from patchdsl.codegen import launch as L
+    from patchdsl_tools.bench import timing
+    from patchdsl_tools.bench.cases import as_tuple
+    from patchdsl_tools.bench.runner import _gen, build_patchdsl, patchdsl_entry
+    from patchdsl.kernel_support import launch as L
     from patchdsl.codegen import target
 
     params = fam.make_params(shape, dtype, device, _gen(device, 0))
@@ -166,14 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check of the script)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--root", default=ROOT, help="the checkout whose patchdsl is measured (default: this one; an "
-                    "older checkout needs patchdsl.bench.runner.patchdsl_entry, from 2026-12-03 on)")
+                    "older checkout needs patchdsl_tools.bench.runner.patchdsl_entry, from 2026-12-03 on)")
     o = ap.parse_args(args)
     sys.path.insert(0, os.path.abspath(o.root))        # before anything imports patchdsl
     import torch
 
     import patchdsl
 
-    from patchdsl.bench.cases import families
+    from patchdsl_tools.bench.cases import families
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

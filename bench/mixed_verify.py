@@ -26,7 +26,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's patchdsl
 
 LAYER = '''
 import torch

@@ -21,8 +21,6 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 SHAPES = {   # name -> (model_type, config sizes)
     "starcoder2-3b": ("starcoder2", dict(hidden_size=3072, intermediate_size=12288, hidden_act="gelu_pytorch_tanh",

@@ -35,13 +35,13 @@ TARGET = "cuda"
 
 
 def _time_cuda(fn):
-    """ms per call: CUDA events around eager loops (patchdsl.bench.timing), the median; on the CPU
+    """ms per call: CUDA events around eager loops (patchdsl_tools.bench.timing), the median; on the CPU
     (--cpu-dry) one call's wall time (checks the code path, not a measurement)."""
     if DEV == "cpu":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    from patchdsl.bench.timing import time_events
+    from patchdsl_tools.bench.timing import time_events
 
     fn()                          # compile / autotune outside the estimate of time_events
     return time_events([fn], target_ms=150.0, min_reps=5, max_reps=30).ms
@@ -146,8 +146,8 @@ def run_ops(budget: float) -> list[dict]:
     try:
         from patchdsl.codegen.cache import load_kernel
         from patchdsl.codegen.keys import KernelKey
-        from patchdsl.ops.base import ModuleInfo
-        from patchdsl.ops.kinds import experts as recognise
+        from patchdsl.model.info import ModuleInfo
+        from patchdsl.model.kinds.experts import experts as recognise
         from patchdsl.ops.registry import get_op
 
         op = get_op("fused_experts")
@@ -278,7 +278,7 @@ def run_e2e_worker(impl: str, name: str) -> dict:
     build_s = time.time() - t0
     note = ""
     if impl == "patchdsl":
-        from patchdsl.planner import plan
+        from patchdsl.planning.planner import plan
         from patchdsl.runtime import apply
 
         spec = os.path.join(ROOT, "specs", MODELS[name][2])

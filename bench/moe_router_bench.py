@@ -32,7 +32,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(tokens=16384, hidden=2048, experts=128, top_k=8)
 DRY_SHAPE = dict(tokens=40, hidden=32, experts=8, top_k=2)
 REPS, WARMUP = 20, 5
@@ -40,7 +39,7 @@ PAYS_AT = 1.1
 
 
 def _timer(dev):
-    """ms per call: CUDA events around eager loops (patchdsl.bench.timing), the median; on the CPU
+    """ms per call: CUDA events around eager loops (patchdsl_tools.bench.timing), the median; on the CPU
     (--cpu-dry) one call's wall time (checks the code path, not a measurement)."""
 
     def time_ms(fn):
@@ -48,7 +47,7 @@ def _timer(dev):
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e3
-        from patchdsl.bench.timing import time_events
+        from patchdsl_tools.bench.timing import time_events
 
         for _ in range(WARMUP):
             fn()
@@ -237,7 +236,6 @@ def main(argv=None):
     ap.add_argument("--cpu-dry", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     args = ap.parse_args(argv)
-    sys.path.insert(0, ROOT)
     os.makedirs(args.out, exist_ok=True)
     info, rows, notes = run(args)
     text = table(info, rows, notes)

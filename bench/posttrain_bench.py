@@ -16,8 +16,8 @@ states and the head weight (``torch.autograd.grad``), inputs made once per case:
 * ``grpo``: a group of 2 completions of 3072 tokens (one ends early), clipped GRPO with the k3 KL
   term (beta 0.04, epsilon 0.2/0.28, ``dapo``, temperature 0.9, old and reference log-probs given).
 
-Peers: ``patchdsl`` (``fused_linear_logprobs`` + ``patchdsl.posttrain``), ``torch`` (the plain
-path: the whole logits, fp32 log_softmax, gather; the losses from ``patchdsl.posttrain``), ``trl``
+Peers: ``patchdsl`` (``fused_linear_logprobs`` + ``patchdsl.training.posttrain``), ``torch`` (the plain
+path: the whole logits, fp32 log_softmax, gather; the losses from ``patchdsl.training.posttrain``), ``trl``
 (TRL's own chunked log-prob kernel, ``trl.kernels.ChunkedLogProbFunction``, on the non-ignored
 positions as TRL's fused head calls it: TRL's path when not patched) and ``liger``
 (``LigerFusedLinearDPOLoss`` / ``LigerFusedLinearGRPOLoss``, torch.compile'd as by default when
@@ -54,13 +54,11 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import patchdsl  # noqa: E402,F401  (first: it switches Triton's interpreter on before anything imports triton)
 import torch  # noqa: E402
 
-from patchdsl.posttrain import dpo_loss, grpo_loss  # noqa: E402
+from patchdsl.training.posttrain import dpo_loss, grpo_loss  # noqa: E402
 
 IGNORE = -100
 # bf16 agreement with the torch peer (both round the logits to bf16; relative Frobenius errors):
@@ -150,7 +148,7 @@ def compare(out: dict, ref: dict, tol: dict) -> list[dict]:
 # ------------------------------------------------------------------------------ peers: the head's log-probs
 def patchdsl_kernels(vocab: int, hidden: int, dtype: str, dev: torch.device):
     from patchdsl.codegen import KernelKey, load_kernel
-    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.model.info import ModuleInfo
     from patchdsl.ops.registry import get_op
 
     op = get_op("fused_linear_logprobs")
@@ -389,8 +387,8 @@ def recipe(S: dict, dev: torch.device, tiny: bool, out_dir: Path, clock: Clock) 
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from patchdsl.models import load_model
-    from patchdsl.posttrain import patch_trainer
+    from patchdsl.model import load_model
+    from patchdsl.training.posttrain import patch_trainer
 
     dt = DTYPES[S["dtype"]]
     lm = load_model(S["model"], dtype=dt, device=str(dev), weights=False, attn_implementation="sdpa", tiny=tiny,

@@ -19,7 +19,7 @@ Writes verify_scale.json and verify_scale.txt (``--name``) into $PART_OUT (or --
 
 ``--models vlm`` runs the multimodal specs (qwen2_5_vl, qwen3_vl, gemma3) on Qwen2.5-VL-7B-,
 Qwen3-VL-8B- and Gemma-3-4b-it-shaped models (``...ForConditionalGeneration``, shipped configs in
-patchdsl/models/configs/): the language tower, LM head and loss, on text-only batches.
+patchdsl/model/configs/): the language tower, LM head and loss, on text-only batches.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODELS = [   # (hub id, shipped spec); the 8B models first
     ("meta-llama/Llama-3.1-8B", "llama"),
@@ -55,7 +53,7 @@ def train_step_peak(model_id: str, batch: int, seq: int, device: str) -> dict:
     """Peak memory of one bf16 AdamW step (bf16 moments) of the model at this batch, in this process."""
     import torch
 
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 
 import patchdsl                                                         # patchdsl (1/4)
-from patchdsl.models import config_from_dict, shipped_config_path, tiny_config
+from patchdsl.model import config_from_dict, shipped_config_path, tiny_config
 
 
 @dataclass

@@ -17,7 +17,7 @@ In a training script (see docs/training.md):
     trainer = Trainer(..., callbacks=[patchdsl.PatchdslCallback.from_args(kpatch_args)])
 """
 
-from . import _interp  # noqa: F401  (must run before anything imports triton)
+from .kernel_support import interp as _interp  # noqa: F401  (must run before anything imports triton)
 from ._version import __version__
 from .syntax import SpecError, load_spec, parse_spec
 
@@ -27,19 +27,19 @@ __all__ = ["__version__", "SpecError", "load_spec", "parse_spec", "plan", "apply
            "graph_step", "GraphStepError", "compile_model", "compile_layers"]
 
 _LAZY = {
-    "PatchdslArguments": ("patchdsl.integrations.args", "PatchdslArguments"),
-    "PatchdslCallback": ("patchdsl.integrations.trainer", "PatchdslCallback"),
-    "patch_for_training": ("patchdsl.integrations.trainer", "patch_for_training"),
-    "graph_step": ("patchdsl.runtime.graphs", "graph_step"),           # CUDA-graph capture of a training step
-    "GraphStepError": ("patchdsl.runtime.graphs", "GraphStepError"),
-    "compile_model": ("patchdsl.runtime.compile", "compile_model"),     # torch.compile, mask as in eager
-    "compile_layers": ("patchdsl.runtime.compile", "compile_layers"),   # regional compile: each decoder layer
+    "PatchdslArguments": ("patchdsl.training.args", "PatchdslArguments"),
+    "PatchdslCallback": ("patchdsl.training.trainer", "PatchdslCallback"),
+    "patch_for_training": ("patchdsl.training.trainer", "patch_for_training"),
+    "graph_step": ("patchdsl.training.graphs", "graph_step"),           # CUDA-graph capture of a training step
+    "GraphStepError": ("patchdsl.training.graphs", "GraphStepError"),
+    "compile_model": ("patchdsl.training.compile", "compile_model"),     # torch.compile, mask as in eager
+    "compile_layers": ("patchdsl.training.compile", "compile_layers"),   # regional compile: each decoder layer
 }
 
 
 def __getattr__(name: str):
     if name == "TrainingArguments":
-        from .integrations.args import training_arguments_class
+        from .training.args import training_arguments_class
 
         value = training_arguments_class()
     elif name in _LAZY:
@@ -58,7 +58,7 @@ def __dir__():
 
 
 def plan(spec, model, **kwargs):
-    from .planner import plan as _plan
+    from .planning.planner import plan as _plan
     return _plan(spec, model, **kwargs)
 
 
@@ -79,14 +79,14 @@ def verify(spec, model_or_factory, **kwargs):
 
 
 def suggest(model, **kwargs):
-    """The spec that patches everything patchdsl can on ``model`` (see :mod:`patchdsl.suggestion`):
+    """The spec that patches everything patchdsl can on ``model`` (see :mod:`patchdsl.planning.suggestion`):
     ``patchdsl.suggest(model).text``; ``.patched``, ``.unpatched`` (path -> reason), ``.counts()``."""
-    from .suggestion import suggest as _suggest
+    from .planning.suggestion import suggest as _suggest
     return _suggest(model, **kwargs)
 
 
 def inspect_model(model, **kwargs):
     """``model``'s modules with their structural kinds and facts, repeated layers folded (the JSON of
-    ``patchdsl inspect``; see :mod:`patchdsl.inspection`)."""
-    from .inspection import inspect_model as _inspect
+    ``patchdsl inspect``; see :mod:`patchdsl.model.inspection`)."""
+    from .model.inspection import inspect_model as _inspect
     return _inspect(model, **kwargs)

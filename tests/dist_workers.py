@@ -1,4 +1,4 @@
-"""Child processes of tests/test_distributed.py: ``python -m tests.dist_workers {accelerate,deepspeed} OUT``.
+"""Child processes of tests/training/test_distributed.py: ``python -m tests.dist_workers {accelerate,deepspeed} OUT``.
 
 Each trains the same tiny Qwen3 (tied embeddings) unpatched and patched with the same batches and
 writes the per-step losses (and what it saw of the LM head's weight) as JSON to OUT from rank 0.
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-# (also imported by tests/test_distributed.py: never switch a GPU process over to the interpreter)
+# (also imported by tests/training/test_distributed.py: never switch a GPU process over to the interpreter)
 import patchdsl  # noqa: E402,F401  (its import switches the interpreter on when there is no GPU)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,7 +30,7 @@ MODEL = "Qwen/Qwen3-0.6B"
 def tiny(seed: int = 0):
     import torch
 
-    from patchdsl.models import load_model
+    from patchdsl.model import load_model
 
     m = load_model(MODEL, dtype=torch.float32, device="cpu", weights=False, tiny=True, seed=seed,
                    attn_implementation="sdpa", log=None).model
@@ -56,7 +56,7 @@ class HeadShapes:
     """Records the lm_head weight shape that the generated fused loss receives."""
 
     def __init__(self):
-        from patchdsl.bench.fsdp2 import HeadRecorder
+        from patchdsl_tools.bench.fsdp2 import HeadRecorder
 
         self.rec = HeadRecorder()
         self.rec.install()

@@ -1,4 +1,4 @@
-"""Inputs for the GPU launch tests (tests/test_launch.py): one forward + backward of each
+"""Inputs for the GPU launch tests (tests/kernel_support/test_launch.py): one forward + backward of each
 generated module, planned as the bench plans it, on fixed-seed inputs made afresh per call."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ BY_OP = {"fused_" + k: k for k in SHAPES}
 
 def case_for(op_name: str, kind: str = "", dtype: str = "bf16", device: str = "cuda", shape: dict | None = None):
     """``run()`` -> the outputs and the gradients of one forward + backward (fresh inputs each call)."""
-    from patchdsl.bench.cases import as_tuple, families
+    from patchdsl_tools.bench.cases import as_tuple, families
 
     fam = families()[BY_OP[op_name]]
     shape = shape or SHAPES[fam.name]
@@ -56,8 +56,8 @@ def case_for(op_name: str, kind: str = "", dtype: str = "bf16", device: str = "c
 
 def _entry(fam, shape, dtype):
     """The generated module's entry point, planned as the bench plans it, bound to the family's names."""
-    from patchdsl.bench.cases import bind, resolve_entry
-    from patchdsl.bench.runner import plan_key
+    from patchdsl_tools.bench.cases import bind, resolve_entry
+    from patchdsl_tools.bench.runner import plan_key
     from patchdsl.codegen import load_kernel, target
     from patchdsl.ops.registry import get_op
 
@@ -69,7 +69,7 @@ def _entry(fam, shape, dtype):
 def rmsnorm_pair():
     """RMSNorm of an aligned input, then of the same values at an address that is not a multiple
     of 16 bytes: (y_aligned, y_misaligned)."""
-    from patchdsl.bench.cases import as_tuple, families
+    from patchdsl_tools.bench.cases import as_tuple, families
 
     fam = families()["rmsnorm"]
     shape = {"tokens": 64, "hidden": 1024}

@@ -46,7 +46,7 @@ def test_bench_help(args, must, capsys):
 
 def test_bench_results_never_land_in_the_current_folder_itself(tmp_path, monkeypatch):
     """--out wins, then $OUT; otherwise a new, named bench-results/<cmd>-<time>/ folder (printed by the command)."""
-    from patchdsl.bench import cli as bench_cli
+    from patchdsl_tools.bench import cli as bench_cli
 
     monkeypatch.delenv("OUT", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -59,7 +59,7 @@ def test_bench_results_never_land_in_the_current_folder_itself(tmp_path, monkeyp
 
 
 def test_bench_help_shows_no_internal_text_and_no_subcommand_is_exit_2(capsys):
-    from patchdsl.bench.cli import run
+    from patchdsl_tools.bench.cli import run
 
     with pytest.raises(SystemExit):
         main.main(["bench", "--help"], standalone_mode=False, prog_name="patchdsl")
@@ -77,7 +77,7 @@ def test_bench_help_shows_no_internal_text_and_no_subcommand_is_exit_2(capsys):
     ("cuda", True, {"PASS"}),
 ])
 def test_bench_targets_on_the_cpu_judge_results_not_times(device, correct, verdicts):
-    from patchdsl.bench import report
+    from patchdsl_tools.bench import report
 
     r = {"op": "rmsnorm", "label": "6x256", "impl": "patchdsl", "group": "tiny", "status": "ok",
          "host_fwd_us": 5000.0 if device == "cpu" else 10.0, "fwd_ms": 1.0, "correct": correct, "err_max": 0.5}
@@ -89,7 +89,7 @@ def test_bench_targets_on_the_cpu_judge_results_not_times(device, correct, verdi
 def test_bench_plot_line_says_why_there_is_no_png(monkeypatch):
     import builtins
 
-    from patchdsl.bench import cli as bench_cli
+    from patchdsl_tools.bench import cli as bench_cli
 
     real = builtins.__import__
 

@@ -33,13 +33,13 @@ def ensure_triton():
         # generated modules are imported after this call.
         if not torch.cuda.is_available():
             if "triton" in sys.modules:
-                from .._interp import late_interpreter
+                from ..kernel_support.interp import late_interpreter
 
                 late_interpreter()          # triton came first (transformers may import it)
             os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
-    from .._interp import index_scalars_like_newer_triton, interpreter_on, round_bf16_like_gpu
+    from ..kernel_support.interp import index_scalars_like_newer_triton, interpreter_on, round_bf16_like_gpu
 
     if interpreter_on():
         round_bf16_like_gpu()               # bf16 stores round to nearest even, as on the GPU

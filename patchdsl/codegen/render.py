@@ -23,7 +23,8 @@ from typing import Any, Mapping
 import jinja2
 
 from .._version import __version__
-from ..resources import templates_dir
+from ..util.resources import templates_dir
+from ..util.vocab import DTYPES, TARGETS
 from .keys import KernelKey
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -31,10 +32,9 @@ KERNEL_NAME = re.compile(r"[A-Za-z0-9_]{1,200}")
 TEMPLATE_NAME = re.compile(r"[A-Za-z0-9_]+\.py\.j2")
 INT_LIMIT = 2 ** 63
 
-DTYPES = ("fp32", "bf16", "fp16")
 # String parameters whose values come from a closed set (whatever op they belong to).
 CLOSED_SETS: dict[str, tuple[str, ...]] = {
-    "dtype": DTYPES, "w_dtype": DTYPES, "target": ("cuda", "interpreter"), "casting": ("llama", "gemma"),
+    "dtype": DTYPES, "w_dtype": DTYPES, "target": TARGETS, "casting": ("llama", "gemma"),
     "dw_reduce": ("kernel", "atomic"), "dw_zero": ("fill", "forward"), "glu_layout": ("rows", "flat"),
     "fwd_layout": ("per_token", "block"), "bwd_layout": ("per_token", "block"),
     "rotary_layout": ("rotate_half", "interleaved", "interleaved_half_cos"),

@@ -25,7 +25,8 @@ import inspect
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
-from .base import ModuleInfo, Op
+from ..model.info import ModuleInfo
+from .base import Op
 from .common import signature_binder
 from .registry import register
 from .rmsnorm import RMS_FLAGS, rms_kernel_name, rms_key_params
@@ -207,7 +208,7 @@ def _stand_in_classes():
 def _stand_in_layer(module: Any, hidden: int):
     import torch
 
-    from .kinds import stand_in
+    from ..model.kinds.probe import stand_in
 
     Norm, Attn, MLP, Trap = _stand_in_classes()
     g = torch.Generator().manual_seed(3)

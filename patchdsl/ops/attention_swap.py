@@ -1,7 +1,7 @@
 """The second way fused_rope patches an attention module: the original ``forward``, run with its
 ``apply_rotary_pos_emb`` resolved to the fused kernel.
 
-:func:`patchdsl.ops.attention_forward.analyse` rebuilds forwards of the Llama shape (and fuses the
+:func:`patchdsl.model.forward.attention.analyse` reads (and :mod:`patchdsl.ops.attention_forward` rebuilds) forwards of the Llama shape (and fuses the
 q/k transposes and norms around the kernel).  Forwards of other shapes, such as partial rotary by
 slicing and concatenating (Phi, StableLM, Persimmon), a fused ``query_key_value`` split per head
 (GPT-NeoX, Persimmon), q/k norms under a config branch (Cohere's ``use_qk_norm``, StableLM's and
@@ -27,7 +27,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .rotary import FUSED_QKV_NAMES, ROPE_FN, fused_kv_heads, reference_rotary
+from ..model.forward.rotary import FUSED_QKV_NAMES, ROPE_FN, fused_kv_heads, reference_rotary
 
 SWAP_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 _swap_cache: dict[type, "RopeSwap | str"] = {}
@@ -243,7 +243,7 @@ def probe_swap(module: Any, facts: dict, sw: RopeSwap) -> str | None:
     holder: dict[str, Any] = {}
 
     def expect():
-        from .kinds import linear_like
+        from ..model.modules import linear_like
 
         stand = holder["stand"]
         nq = int(stand.config.num_attention_heads)

@@ -19,8 +19,10 @@ Life of a site:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
+
+from ..model.info import ModuleInfo
 
 
 # Upper bounds of int flags (every int flag has both bounds: tests/test_hostile_inputs.py checks the registry).
@@ -110,34 +112,6 @@ def _show(v: Any) -> str:
     return s if len(s) <= 40 else s[:40] + f"... ({len(s)} characters)"
 
 
-@dataclass(frozen=True)
-class ModuleInfo:
-    """What the planner knows about one module (plain data, no tensors).
-
-    ``kinds`` maps each structural kind the module fits to the facts its recogniser found
-    (e.g. ``{"RMSNorm": {"hidden": 1024, "eps": 1e-6, "offset": 0.0, "casting": "llama"}}``).
-    """
-
-    path: str
-    cls: str
-    bases: tuple[str, ...]
-    kinds: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    dtype: str | None = None
-    children: tuple[str, ...] = ()
-
-    def facts(self, kind: str) -> Mapping[str, Any]:
-        return self.kinds.get(kind, {})
-
-    def with_host(self, host: "ModuleInfo | None") -> "ModuleInfo":
-        """This site's info with the facts of the module it patches through (the causal LM for
-        fused_linear_cross_entropy on lm_head) added; the site's own facts win."""
-        if host is None or host.path == self.path:
-            return self
-        from dataclasses import replace
-
-        return replace(self, kinds={**host.kinds, **self.kinds})
-
-
 class Op:
     """Base class of every op.  Subclasses set the class attributes and override the methods."""
 
@@ -150,9 +124,9 @@ class Op:
     # fused LM head, for fused_linear_logprobs): the runtime then lets it wrap that forward
     wraps_instance_forward: ClassVar[bool] = False
     doc: ClassVar[str] = ""
-    # External ops (patchdsl/ops/external.py): a third-party kernel (a Hub kernel layer, an
-    # installed Liger-Kernel op) loaded by ``load`` instead of a generated one.  They plan, patch,
-    # undo and verify through the same planner, runtime and parity code as generated ops.
+    # External ops (patchdsl/ops/external.py, ExternalOp): a third-party kernel (a Hub kernel layer,
+    # an installed Liger-Kernel op) loaded instead of a generated one.  They plan, patch, undo and
+    # verify through the same planner, runtime and parity code as generated ops.
     external: ClassVar[bool] = False
     # whether the generated module holds Triton kernels (fp8_linear's calls torch._scaled_mm): the
     # sm_90 compile test asks every op that has them to launch one
@@ -171,20 +145,11 @@ class Op:
         """Specialisation parameters of the kernel for this site (JSON-able, deterministic)."""
         raise NotImplementedError
 
-    def locate(self, name: str, value: Any, file: str) -> Any:
-        """A flag value as given in ``file`` made independent of it (external ops resolve a local
-        repository path against the spec's folder).  Default: unchanged."""
-        return value
-
     def validate(self, flags: Mapping[str, Any]) -> str | None:
         """Why the resolved flags of a site do not go together (None if they do).  Pure."""
         return None
 
-    def source(self, params: Mapping[str, Any]) -> str:
-        """Where an external op's kernel comes from, with its pin, for ``plan`` ("" for generated ops)."""
-        return ""
-
-    # ---- external ops: the machine-dependent part (plan time and runtime) --------
+    # ---- the machine-dependent part (plan time and runtime) ------------------------
     def unavailable(self, params: Mapping[str, Any]) -> str | None:
         """Why the kernel of ``params`` cannot be had on this machine (None if it can).
 
@@ -192,24 +157,6 @@ class Op:
         naming the site before anything runs.  Generated ops are available unless their kernel needs
         hardware this machine lacks (fp8_linear: fp8 tensor cores)."""
         return None
-
-    def resolved_source(self, params: Mapping[str, Any]) -> str:
-        """``source`` with what this machine resolved it to (called after ``unavailable``)."""
-        return self.source(params)
-
-    def lock(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Flags that pin what this machine resolved for ``params`` (a local repository's sha256),
-        recorded in the plan after ``unavailable`` passed.  Default: none."""
-        return {}
-
-    def unlocked(self, flags: Mapping[str, Any]) -> str | None:
-        """Why the flags of a site read from a plan file lack a pin a plan made here records (a
-        local repository without its sha256), or None.  Pure."""
-        return None
-
-    def load(self, params: Mapping[str, Any]) -> Any:
-        """External ops: the loaded kernel for ``params`` (what ``kernels(dtype)`` returns)."""
-        raise NotImplementedError(f"{self.name} generates its kernels; it has nothing to load")
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         """A readable file stem naming what the kernel is specialised for."""
@@ -225,7 +172,7 @@ class Op:
         """Path of the module whose ``forward`` this op replaces (default: the site itself).
 
         ``fused_linear_cross_entropy`` is selected on ``lm_head`` but replaces the forward of the
-        causal LM that owns it; ``index`` is the :class:`patchdsl.index.ModelIndex`.
+        causal LM that owns it; ``index`` is the :class:`patchdsl.model.index.ModelIndex`.
         """
         return info.path
 

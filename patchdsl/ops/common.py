@@ -1,14 +1,8 @@
-"""Small pure helpers every op module uses: dtype names, block sizes, ``auto`` flags."""
+"""Small pure helpers every op module uses: block sizes, ``auto`` flags, binding a forward's arguments."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
-
-DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
-
-
-def dtype_name(dt: Any) -> str:
-    return DTYPE_NAMES.get(str(dt), str(dt).replace("torch.", ""))
 
 
 def next_pow2(n: int) -> int:
@@ -82,49 +76,3 @@ def signature_binder(sig: Any) -> Callable[..., dict]:
         return out
 
     return bind
-
-
-# Module structure (PEFT wrappers), used by the kind recognisers and the loss path
-def _torch():
-    import torch
-    return torch
-
-
-def linear_like(m: Any) -> Any | None:
-    """The nn.Linear holding the weight of ``m`` (``m`` itself, or a PEFT layer's base_layer)."""
-    torch = _torch()
-    seen = 0
-    while m is not None and seen < 4:
-        if isinstance(m, torch.nn.Linear):
-            return m
-        m = getattr(m, "base_layer", None)
-        seen += 1
-    return None
-
-
-def unwrap(m: Any) -> Any:
-    """Unwrap PEFT's ModulesToSaveWrapper-style wrappers to the module doing the work."""
-    for attr in ("original_module",):
-        inner = getattr(m, attr, None)
-        if inner is not None and hasattr(m, "modules_to_save"):
-            active = getattr(m, "active_adapters", None) or getattr(m, "active_adapter", None)
-            if isinstance(active, (list, tuple)):
-                active = active[0] if active else None
-            if active is not None and active in m.modules_to_save:
-                return m.modules_to_save[active]
-            return inner
-    return m
-
-
-def decoder_layers(model: Any) -> tuple[str, Any] | None:
-    """(path, ModuleList) of the model's decoder layers: the ``nn.ModuleList`` holding the most
-    parameters (``model.layers`` in Llama-like models), or None when there is none."""
-    import torch
-
-    best, best_n = None, 0
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.ModuleList) and len(m) > 0:
-            n = sum(p.numel() for p in m.parameters())
-            if n > best_n:
-                best, best_n = (name, m), n
-    return best

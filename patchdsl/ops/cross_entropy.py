@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX, INDEX_MIN, INDEX_MAX, PROGRAMS_PER_SM_MAX
+from .base import FlagSpec, Op, BLOCK_MAX, INDEX_MIN, INDEX_MAX, PROGRAMS_PER_SM_MAX
+from ..model.info import ModuleInfo
 from .registry import register
 from .common import next_pow2, row_warps
 
-# Every loss kernel that reads class labels checks them as torch's cross_entropy does (patchdsl/codegen/labels.py).
+# Every loss kernel that reads class labels checks them as torch's cross_entropy does (patchdsl/kernel_support/labels.py).
 LABEL_CHECK_FLAG = FlagSpec(
     "check_labels", "bool", True,
     "a label neither ignore_index nor in [0, vocab) raises IndexError (CPU) or trips a device-side assert (GPU, no "
@@ -74,7 +75,7 @@ def ce_block(vocab: int, flags: Mapping[str, Any], target: str) -> tuple[int, bo
 def loss_params(vocab: int, flags: Mapping[str, Any], dtype: str, target: str, softcap: float | None,
                 logits_scaling: float | None, logit_multiplier: float | None = None) -> dict[str, Any]:
     """The kernel parameters of the loss row kernel.  z = softcap(x * logit_multiplier / logits_scaling):
-    the scalings the model's forward applies between its lm_head and its loss (loss_path.head_transform)."""
+    the scalings the model's forward applies between its lm_head and its loss (patchdsl.model.forward.causal_lm.head_transform)."""
     block, single, warps = ce_block(vocab, flags, target)
     rows = 1 if target == "interpreter" or vocab > 2048 else (4 if vocab <= 512 else 2)
     # auto: one program per row.  H200, bf16, 16384 x 151936, fwd+bwd: 3.66 ms, vs 4.69 ms with a
@@ -152,7 +153,7 @@ class FusedCrossEntropy(Op):
         return loss_kernel_name(self.name, params)
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .loss_path import host_reason, looks_causal_lm
+        from ..model.forward.causal_lm import host_reason, looks_causal_lm
         f = info.facts("CausalLM")
         if not f:
             return "no enclosing causal LM (a module with model, lm_head and config) was found"
@@ -174,7 +175,8 @@ class FusedCrossEntropy(Op):
         return make_forward(module, kernels, flags, "logits")
 
     def install(self, host, kernels, flags, info):
-        from .loss_path import install_forward, loss_function_settable, make_loss_function, require_host, vocab_of
+        from ..model.forward.causal_lm import loss_function_settable, require_host
+        from .loss_path import install_forward, make_loss_function, vocab_of
         require_host(host, info, flags, self.loss_role)
         if loss_function_settable(type(host)):
             original = type(host).loss_function.fget(host)

@@ -2,7 +2,7 @@
 
 Replaces the ``forward(hidden, top_k_index, top_k_weights)`` of one ``Experts`` module instance
 (transformers 5.x's ``*Experts`` classes: 3-D ``gate_up_proj`` / ``down_proj``, see the kind in
-:mod:`patchdsl.ops.kinds`).  The routing stays the model's own (its router module is untouched);
+:mod:`patchdsl.model.kinds.experts`).  The routing stays the model's own (its router module is untouched);
 the op computes, for the routing it is given, ``sum_k w * (act(x W_gu[e] + b) W_d[e] + b_d)``:
 
 * routing on the device without a host sync: the (token, k) slots sorted by expert once, so every
@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, Op
+from ..model.info import ModuleInfo
 from .registry import register
 
 class FusedExperts(Op):
@@ -88,7 +89,7 @@ class FusedExperts(Op):
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         import torch
 
-        from .kinds import peft_param_base
+        from ..model.kinds.experts import peft_param_base
 
         where = f"{info.path or '<module>'} ({info.cls})"
         module, _ = peft_param_base(module)
@@ -100,7 +101,7 @@ class FusedExperts(Op):
             return f"{where} is sharded over experts (expert parallelism); the fused experts need every expert"
         if getattr(module, "has_post_expert_norm", False):
             return f"{where} normalises each expert's output (post_expert_norm); not fused"
-        from .kinds import experts as recognise
+        from ..model.kinds.experts import experts as recognise
 
         live = recognise(module)
         if live is None:
@@ -118,7 +119,7 @@ class FusedExperts(Op):
     def make_forward(self, module, kernels, flags, info):
         import torch
 
-        from .kinds import _expert_forward
+        from ..model.kinds.experts import expert_forward as _expert_forward
 
         eager = _expert_forward(module)
         f = info.facts("Experts")

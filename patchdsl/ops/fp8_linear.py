@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import DTYPE_FLOORS, FlagSpec, ModuleInfo, Op
+from .base import DTYPE_FLOORS, FlagSpec, Op
+from ..model.info import ModuleInfo
 from .registry import register
 
 # Unit roundoff (half the spacing at 1) of the fp8 formats: e4m3 has 3 mantissa bits, e5m2 has 2.

@@ -34,9 +34,11 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op, SIZE_MAX
-from .external import kernels_library, missing_kernels_message
-from .registry import KIND_NAMES, register
+from .base import FlagSpec, SIZE_MAX
+from ..model.info import ModuleInfo
+from .external import ExternalOp, kernels_library, missing_kernels_message
+from ..model.kinds import KIND_NAMES
+from .registry import register
 
 _LOCAL_PREFIXES = ("./", "../", "/", "~")
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
@@ -201,11 +203,10 @@ def _hf_offline() -> bool:
     return v.upper() in ("1", "ON", "YES", "TRUE")
 
 
-class HubLayer(Op):
+class HubLayer(ExternalOp):
     name = "hub"
     kinds = KIND_NAMES
     any_kind = True
-    external = True
     template = ""
     positional = ("repo", "layer")
     doc = ("A kernel layer from a Hugging Face Hub kernel repository (or a local copy), loaded with the "

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo
+from .base import FlagSpec
+from ..model.info import ModuleInfo
 from .cross_entropy import LOSS_FLAGS, FusedCrossEntropy
-from .external import package_version
+from .external import ExternalOp, package_version
 from .geglu import FusedGeGLU
 from .layernorm import FusedLayerNorm
 from .linear_cross_entropy import FusedLinearCrossEntropy
@@ -44,10 +45,10 @@ def _functional() -> Any:
     return F
 
 
-class LigerOp:
-    """Mixin: what makes a patchdsl op a Liger-Kernel one (loading, availability, source)."""
+class LigerOp(ExternalOp):
+    """What makes a patchdsl op a Liger-Kernel one (loading, availability, source); mixed in before the
+    generated op whose flags, kinds and forward it shares."""
 
-    external = True
     template = ""
     liger_fn: str = ""          # the function of liger_kernel.transformers.functional
 
@@ -220,14 +221,14 @@ class LigerFusedLinearCrossEntropy(LigerOp, FusedLinearCrossEntropy):
     )
 
     def liger_params(self, info, flags):
-        from .loss_path import resolve_softcap
+        from ..model.forward.logits import resolve_softcap
 
         return {"ignore_index": int(flags.get("ignore_index", -100)),
                 "label_smoothing": float(flags.get("label_smoothing", 0.0)), "z_loss": float(flags.get("z_loss", 0.0)),
                 "softcap": resolve_softcap(flags, info.facts("CausalLM"))}
 
     def check(self, module, info, flags):
-        from .loss_path import resolve_multiplier, resolve_scaling
+        from ..model.forward.logits import resolve_multiplier, resolve_scaling
         f = info.facts("CausalLM")
         if f and (resolve_scaling(f) or resolve_multiplier(f)):
             return "the model scales its logits (logits_scaling / a logit multiplier); Liger's fused loss does not"

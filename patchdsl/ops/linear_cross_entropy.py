@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op, CHUNK_MAX, SIZE_MAX
+from .base import FlagSpec, Op, CHUNK_MAX, SIZE_MAX
+from ..model.info import ModuleInfo
 from .cross_entropy import LOSS_FLAGS, ce_block, loss_kernel_name, loss_params, num_tag
 from .registry import register
+from ..util.vocab import DTYPE_BYTES
 
 # Auto chunk on the GPU: the largest power-of-two token count whose logits fit this many bytes.
 # H200, bf16, 16384 x 1024 x 151936, fwd+bwd: 208 tokens (64 MB) 42.2 ms, 512 30.1 ms, 1024 27.5 ms,
@@ -29,13 +31,12 @@ CHUNK_BUDGET = 640 * 2**20
 FP32_ACC_BUDGET = 64 * 2**20  # an fp32 copy of grad_weight is kept when it is at most this big
 INTERP_CHUNK = 16             # tokens per chunk on the interpreter (small, so tests see several chunks)
 MAX_CHUNK = 8192
-ELT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def auto_chunk(vocab: int, dtype: str, target: str) -> int:
     if target == "interpreter":
         return INTERP_CHUNK
-    rows = CHUNK_BUDGET // (vocab * ELT.get(dtype, 4))
+    rows = CHUNK_BUDGET // (vocab * DTYPE_BYTES.get(dtype, 4))
     chunk = 16
     while chunk * 2 <= min(rows, MAX_CHUNK):
         chunk *= 2
@@ -189,7 +190,8 @@ class ChunkedHeadOp(Op):
         return "_".join(str(p) for p in parts)
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .loss_path import host_reason, looks_causal_lm, transforms_logits
+        from ..model.forward.causal_lm import host_reason, looks_causal_lm
+        from ..model.forward.logits import transforms_logits
         f = info.facts("CausalLM")
         if not f:
             return "no enclosing causal LM (a module with model, lm_head and config) was found"
@@ -229,7 +231,7 @@ class FusedLinearCrossEntropy(Op):
         return causal_lm_host(info, index)
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
-        from .loss_path import resolve_multiplier, resolve_scaling, resolve_softcap
+        from ..model.forward.logits import resolve_multiplier, resolve_scaling, resolve_softcap
         facts = info.facts("CausalLM")
         vocab, hidden, bias = head_sizes(info)
         p = loss_params(vocab, flags, dtype, target, resolve_softcap(flags, facts), resolve_scaling(facts),
@@ -267,7 +269,8 @@ class FusedLinearCrossEntropy(Op):
         return name[: -len(tgt)] + extra + "_" + tgt
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .loss_path import host_reason, looks_causal_lm, resolve_softcap
+        from ..model.forward.causal_lm import host_reason, looks_causal_lm
+        from ..model.forward.logits import resolve_softcap
         f = info.facts("CausalLM")
         if not f:
             return "no enclosing causal LM (a module with model, lm_head and config) was found"
@@ -287,7 +290,8 @@ class FusedLinearCrossEntropy(Op):
         return make_forward(module, kernels, flags, "linear")
 
     def install(self, host, kernels, flags, info):
-        from .loss_path import install_forward, require_host
+        from ..model.forward.causal_lm import require_host
+        from .loss_path import install_forward
         require_host(host, info, flags, self.loss_role)
         return install_forward(host, kernels, flags, "linear")
 

@@ -11,7 +11,7 @@ make_jsd_forward`):
   (training or eval, with or without grad);
 * any call without ``teacher_hidden_states``: the original forward (generation, HF's loss).
 
-``patchdsl.posttrain.distill_loss(student, teacher, input_ids, labels)`` runs the teacher's body
+``patchdsl.training.posttrain.distill_loss(student, teacher, input_ids, labels)`` runs the teacher's body
 and makes that call.  Convention (beta = 0 forward KL(teacher || student), beta = 1 reverse KL):
 TRL's ``GKDTrainer.generalized_jsd_loss`` and Liger-Kernel's ``LigerFusedLinearJSD``; see
 docs/post-training.md.
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, BLOCK_MAX, INDEX_MIN, INDEX_MAX, TEACHER_HIDDEN_MAX
+from .base import FlagSpec, BLOCK_MAX, INDEX_MIN, INDEX_MAX, TEACHER_HIDDEN_MAX
+from ..model.info import ModuleInfo
 from .cross_entropy import num_tag
 from .linear_cross_entropy import CHUNK_FLAGS, ChunkedHeadOp
 from .registry import register
@@ -76,7 +77,8 @@ class FusedLinearJSD(ChunkedHeadOp):
     def install(self, host, kernels, flags, info):
         import types
 
-        from .loss_path import make_jsd_forward, require_host
+        from ..model.forward.causal_lm import require_host
+        from .loss_path import make_jsd_forward
         require_host(host, info, flags, self.name)
         return [(host, "forward", types.MethodType(make_jsd_forward(host, kernels, flags, info.path), host))]
 
@@ -92,7 +94,7 @@ class FusedLinearJSD(ChunkedHeadOp):
     def parity_kwargs(self, host, flags, batch, seq, gen):
         import torch
 
-        from .kinds import unwrap
+        from ..model.modules import unwrap
         w = unwrap(host.lm_head).weight
         vocab = w.shape[0]
         t_hidden = flags.get("teacher_hidden", "auto")

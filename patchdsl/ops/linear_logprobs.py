@@ -1,5 +1,5 @@
 """fused_linear_logprobs: per-token log-probabilities (and entropy, logsumexp) from the LM head
-without materialising the logits; the base of the post-training losses (:mod:`patchdsl.posttrain`).
+without materialising the logits; the base of the post-training losses (:mod:`patchdsl.training.posttrain`).
 
 Selected on ``lm_head`` (kind Linear); replaces the forward of the causal LM that owns it (see
 :mod:`patchdsl.ops.loss_path`, ``make_logprobs_forward``):
@@ -57,7 +57,8 @@ class FusedLinearLogprobs(ChunkedHeadOp):
     def install(self, host, kernels, flags, info):
         import types
 
-        from .loss_path import make_logprobs_forward, require_host
+        from ..model.forward.causal_lm import require_host
+        from .loss_path import make_logprobs_forward
         require_host(host, info, flags, self.name)
         return [(host, "forward", types.MethodType(make_logprobs_forward(host, kernels, flags), host))]
 

@@ -1,6 +1,6 @@
 """fused_mlp: the plain (non-gated) MLP ``down(act(up(x)))``, forward and backward.
 
-Recognised by the ``MLP`` kind (:func:`patchdsl.ops.kinds.mlp_probe`): an up/down projection pair
+Recognised by the ``MLP`` kind (:func:`patchdsl.model.kinds.mlp.mlp_probe`): an up/down projection pair
 (``up_proj/down_proj``, ``fc1/fc2``, ``c_fc/c_proj``, ``dense_h_to_4h/dense_4h_to_h``, ...) whose module
 forward computes ``down(act(up(x)))``, the activation probed: exact GELU, tanh GELU (``gelu_new``,
 ``gelu_pytorch_tanh``), ReLU, squared ReLU (Nemotron, Persimmon, Arcee), SiLU, quick GELU.  Any other
@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, Op
+from ..model.info import ModuleInfo
 from .registry import register
 
 FLAT_BLOCK = 1024          # elements per program (the GLU kernels' measured flat layout)
@@ -56,7 +57,7 @@ class FusedMLP(Op):
     def misfit(self, info: ModuleInfo, index: Any) -> str | None:
         f = info.facts("MLP")
         if f and not f.get("activation"):
-            from .kinds import MLP_ACTIVATIONS
+            from ..model.kinds.mlp import MLP_ACTIVATIONS
             return (f"{info.path or '<module>'} ({info.cls}): its activation {f.get('act_class') or 'unknown'} is "
                     f"none of the activations fused_mlp computes ({', '.join(MLP_ACTIVATIONS)})")
         return None
@@ -83,7 +84,7 @@ class FusedMLP(Op):
             for other, op in (("SwiGLU", "fused_swiglu"), ("GeGLU", "fused_geglu")):
                 if info.facts(other):
                     return f"{where} is a gated {other} MLP; use {op}"
-            from .kinds import mlp_probe
+            from ..model.kinds.mlp import mlp_probe
             return f"{where} is not a plain MLP down(act(up(x))): {mlp_probe(module)[1]}"
         why = self.misfit(info, None)
         if why:
@@ -98,7 +99,7 @@ class FusedMLP(Op):
         picked by up(x)'s dtype; float64 (no kernel) runs the same formula in plain torch.  No host sync."""
         import torch
 
-        from .kinds import mlp_activation_reference
+        from ..model.reference import mlp_activation_reference
 
         f = info.facts("MLP")
         up, down = f["up"], f["down"]
@@ -163,7 +164,8 @@ def probe_training(module: Any, facts: Mapping[str, Any], where: str) -> tuple[A
     ``post(down(act(up(x))))`` under the same seed for one of :func:`_post_candidates`; else (None, why not)."""
     import torch
 
-    from .kinds import mlp_activation_reference, mlp_stand_in
+    from ..model.reference import mlp_activation_reference
+    from ..model.kinds.mlp import mlp_stand_in
 
     with torch.random.fork_rng(devices=[]):      # the stand-in and the dropout draws must not move the caller's RNG
         clone, lu, ld, x = mlp_stand_in(module, facts, training=True)

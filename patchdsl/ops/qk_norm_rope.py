@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX
+from .base import FlagSpec, Op, BLOCK_MAX
+from ..model.info import ModuleInfo
 from .common import next_pow2, resolve_auto
 from .registry import register
 from .rope import ROPE_FLAGS, SUPPORTED_DTYPES, attention_reason, rope_geometry
@@ -123,8 +124,11 @@ class FusedQKNormRope(Op):
         return f"{self.name}_{params['dtype']}_{params['tag']}_{params['target']}"
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
-        from .attention_forward import analyse, probe, reference_rmsnorm, reference_rope
-        from .kinds import rmsnorm, unwrap
+        from ..model.forward.attention import analyse
+        from .attention_forward import probe
+        from ..model.reference import reference_rmsnorm, reference_rope
+        from ..model.kinds.norms import rmsnorm
+        from ..model.modules import unwrap
 
         f = info.facts("Attention")
         reason = attention_reason(f)
@@ -164,8 +168,10 @@ class FusedQKNormRope(Op):
         return probe(module, dict(f), an, qk_ref, "qk_norm_rope")
 
     def make_forward(self, module, kernels, flags, info):
-        from .attention_forward import analyse, build_forward, reference_rmsnorm, reference_rope
-        from .kinds import unwrap
+        from ..model.forward.attention import analyse
+        from .attention_forward import build_forward
+        from ..model.reference import reference_rmsnorm, reference_rope
+        from ..model.modules import unwrap
         from .loss_path import unsharded_reason
 
         an = analyse(type(module))

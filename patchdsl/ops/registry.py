@@ -1,18 +1,15 @@
-"""The one op registry and the one kind registry.
+"""The one op registry.
 
 Adding an op = one template in ``templates/``, one module in ``patchdsl/ops/`` that calls
-:func:`register`, and its tests.  Adding a structural kind = one ``@kind`` recogniser in
-``ops/kinds.py`` (which holds the kind table; this module reads it).
+:func:`register`, and its tests.  (Structural kinds have their own registry:
+:mod:`patchdsl.model.kinds`.)
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping
 
-from . import kinds as _kinds
 from .base import Op
-from .kinds import kind  # noqa: F401  (re-exported: patchdsl.ops.kind)
 
 _OPS: dict[str, Op] = {}
 
@@ -22,9 +19,6 @@ OP_MODULES = (
     "cross_entropy", "linear_cross_entropy", "linear_logprobs", "linear_jsd", "fp8_linear",
     "hub", "liger",      # external ops (patchdsl/ops/external.py)
 )
-KIND_NAMES = ("RMSNorm", "LayerNorm", "SwiGLU", "GeGLU", "MLP", "Attention", "CausalLM", "Linear", "DecoderLayer",
-              "Experts", "MoEBlock", "Router",   # mixture of experts (issue 24)
-              "GatedRMSNorm")                    # linear-attention output norms (issue 25)
 
 _loaded = False
 
@@ -59,17 +53,3 @@ def ops() -> dict[str, Op]:
 def get_op(name: str) -> Op | None:
     _load()
     return _OPS.get(name)
-
-
-def kinds() -> dict[str, Callable]:
-    _load()
-    return dict(_kinds.KINDS)
-
-
-def kind_docs() -> dict[str, str]:
-    _load()
-    return dict(_kinds.KIND_DOCS)
-
-
-def is_kind_name(text: str) -> bool:
-    return text in KIND_NAMES

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX
+from .base import FlagSpec, Op, BLOCK_MAX
+from ..model.info import ModuleInfo
 from .common import next_pow2, resolve_auto, row_block, row_warps
 from .registry import register
 

@@ -3,7 +3,7 @@
 Qwen3-Next / Qwen3.5 / OLMo-hybrid (``*RMSNormGated``: normalise in fp32, cast to the input dtype, scale
 by the weight in the promoted weight/input dtype, multiply by ``silu(gate)`` in fp32, cast) and Kimi
 Linear / Lara (weight, normalised value and gate all in fp32, one cast; Kimi's gate through a sigmoid).
-The kind :func:`patchdsl.ops.kinds.gated_rmsnorm` probes which of the two cast orders and activations the
+The kind :func:`patchdsl.model.kinds.norms.gated_rmsnorm` probes which of the two cast orders and activations the
 module computes; the kernel computes that one.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, Op
+from ..model.info import ModuleInfo
 from .common import next_pow2, resolve_auto, row_warps
 from .registry import register
 from .rmsnorm import partial_sum_launch, rows_per_tile

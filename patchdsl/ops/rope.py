@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX
+from .base import FlagSpec, Op, BLOCK_MAX
+from ..model.info import ModuleInfo
 from .registry import register
 from .common import next_pow2
 
@@ -77,7 +78,7 @@ def attention_reason(f: Mapping[str, Any]) -> str | None:
 def norm_scope(module: Any, f: Mapping[str, Any]) -> str | None:
     """What the attention's q_norm/k_norm normalise: "head" (each head, head_dim wide: Qwen3), "projection"
     (the whole q / k projection, heads x head_dim wide: OLMo 2/3), or None (neither: refused)."""
-    from .kinds import unwrap
+    from ..model.modules import unwrap
 
     d, nq, nk = int(f["head_dim"]), int(f["n_heads"]), int(f["n_kv_heads"])
     widths = []
@@ -128,9 +129,10 @@ def rope_route(module: Any, f: Mapping[str, Any]):
     """How fused_rope patches ``module``: ``("rebuild", analysis, norm scope)`` (the forward rebuilt
     around the kernel, attention_forward), ``("swap", RopeSwap)`` (the original forward with its
     apply_rotary_pos_emb resolved to the kernel, attention_swap), or a refusal reason (str)."""
-    from .attention_forward import analyse, probe
+    from ..model.forward.attention import analyse
+    from .attention_forward import probe
     from .attention_swap import analyse_swap, probe_swap
-    from .rotary import reference_rotary
+    from ..model.forward.rotary import reference_rotary
 
     layout = f.get("rotary_layout", "rotate_half")
     an = analyse(type(module))
@@ -140,7 +142,7 @@ def rope_route(module: Any, f: Mapping[str, Any]):
         if an.qk_norm and scope is None:
             first = ("its q_norm/k_norm normalise neither each head (head_dim) nor the whole q/k projection "
                      "(heads x head_dim), so the replacement cannot call them")
-            from .kinds import unwrap
+            from ..model.modules import unwrap
             if all(getattr(getattr(unwrap(getattr(module, n, None)), "weight", None), "dim", lambda: 0)() == 1
                    for n in ("q_norm", "k_norm")):
                 return first        # weights of another width: this module's own structure is inconsistent
@@ -194,7 +196,7 @@ class FusedRope(Op):
     def make_forward(self, module, kernels, flags, info):
         from .attention_forward import build_forward
         from .attention_swap import build_swapped_forward
-        from .rotary import reference_rotary
+        from ..model.forward.rotary import reference_rotary
 
         f = info.facts("Attention")
         layout = f.get("rotary_layout", "rotate_half")

@@ -3,7 +3,7 @@
 
 Replaces the ``forward(hidden)`` of one ``Router`` module instance (transformers 5.x's
 ``*TopKRouter`` classes of Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, OLMoE, gpt-oss, GraniteMoE, DeepSeek-V2/V3,
-GLM-4.5, dots1 and the families copied from them; see the kind in :mod:`patchdsl.ops.kinds`).  The
+GLM-4.5, dots1 and the families copied from them; see the kind in :mod:`patchdsl.model.kinds.moe`).  The
 router logits stay the module's own linear (a torch matmul, in the dtype the module computes it); the
 kernel takes them and returns the top-k weights and indices; the forward returns the three in the
 module's order and dtypes, as probed (5.17's GraniteMoE router returns ``(index, weights, logits)``,
@@ -51,14 +51,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op
+from .base import FlagSpec, Op
+from ..model.info import ModuleInfo
 from .common import next_pow2
 from .registry import register
 
 # the router facts the replacement forward relies on: the live module must still have them
 ROUTER_FACTS = ("experts", "top_k", "bias", "order", "scoring", "norm_topk", "linear", "logits_dtype",
                 "weights_dtype", "flattens", "n_group", "topk_group", "scaling", "bias_on", "norm_eps")
-# the scorings fused_router computes (patchdsl.ops.kinds.ROUTER_SCORINGS has the rest: refused)
+# the scorings fused_router computes (patchdsl.model.kinds.moe.ROUTER_SCORINGS has the rest: refused)
 COMPUTED = {"softmax_topk": "softmax over the experts then top-k (renormalised or not)",
             "sigmoid_grouped": ("DeepSeek-V3 / GLM-4.5 / dots1's sigmoid scores with the score-correction bias "
                                 "for the choice, top-k within the best groups by their top-2 sum"),
@@ -169,7 +170,7 @@ class FusedRouter(Op):
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         import torch
 
-        from .kinds import router as recognise
+        from ..model.kinds.moe import router as recognise
 
         where = f"{info.path or '<module>'} ({info.cls})"
         f = info.facts("Router")

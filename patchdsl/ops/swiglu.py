@@ -24,7 +24,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from .base import FlagSpec, ModuleInfo, Op, BLOCK_MAX
+from .base import FlagSpec, Op, BLOCK_MAX
+from ..model.info import ModuleInfo
 from .registry import register
 from .common import next_pow2, row_block
 
@@ -238,7 +239,7 @@ def probe_forward(module: Any, facts: Mapping[str, Any], activation: str, where:
 def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -> str | None:
     import torch
 
-    from .kinds import stand_in
+    from ..model.kinds.probe import stand_in
 
     g = torch.Generator().manual_seed(7)
     h, i = 8, 12
@@ -254,7 +255,7 @@ def _probe(module: Any, facts: Mapping[str, Any], activation: str, where: str) -
         return m
 
     def has_bias(name):
-        from .kinds import linear_like
+        from ..model.modules import linear_like
         lin_ = linear_like(getattr(module, name, None))
         return lin_ is not None and lin_.bias is not None
 

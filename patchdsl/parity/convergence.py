@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..util.vocab import torch_dtype
+
 BOS = 256
 STDLIB_FILES = ("textwrap.py", "string.py", "shlex.py", "heapq.py", "bisect.py", "fnmatch.py", "colorsys.py",
                 "copy.py", "glob.py", "keyword.py", "numbers.py", "abc.py")
@@ -112,7 +114,7 @@ def spec_text(family: str, without: tuple[str, ...] = ()) -> str:
     interpreter at 32 steps; verify's tests and the GPU run cover them)."""
     import re
 
-    from ..resources import shipped_spec
+    from ..util.resources import shipped_spec
 
     text = shipped_spec(FAMILIES[family].spec).read_text()
     if not without:
@@ -199,7 +201,7 @@ def build(family: str, size: str, dtype: str, device: str) -> Any:
     if torch.device(device).type == "cuda":
         torch.cuda.manual_seed_all(SEED)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    return model.to(device=device, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    return model.to(device=device, dtype=torch_dtype(dtype))
 
 
 def train(model: Any, data: list[Any], eval_ids: Any, device: str, lr: float = LR) -> tuple[list[float], Any]:

@@ -35,6 +35,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..model.shrink import shrink_composite, shrink_config
+from ..model.tiny import MAX_TINY_PARAMS, build, meta_params, quiet, short_error
+
 _TOKEN_ATTRS = ("image_token_id", "image_token_index")
 _BEGIN_ATTRS = ("vision_start_token_id", "boi_token_index", "boi_token_id", "image_start_token_id")
 _END_ATTRS = ("vision_end_token_id", "eoi_token_index", "eoi_token_id", "image_end_token_id")
@@ -254,3 +257,38 @@ def _try(model, r, old, batch, seq, tries, device, dtype) -> tuple[ImageRecipe |
     for k, v in old.items():     # leave the config as it was
         setattr(model.config, k, v)
     return None, f"{sized}{last} (an image batch built from its config: {r.describe()})"
+
+
+def image_recipe_of(model: Any) -> tuple[ImageRecipe | None, str]:
+    """(the image recipe, "") for a vision-language model an image batch runs on; (None, why not) for
+    one it does not; (None, "") for a text-only model."""
+    if getattr(model.config, "vision_config", None) is None:
+        return None, ""
+    return image_recipe(model, batch=1, seq=8)
+
+
+def image_batch_check(config) -> tuple[bool | None, str]:
+    """Whether verify's image batch (:mod:`patchdsl.parity.images`) runs on a tiny model shrunk from
+    ``config`` (a copy; random weights, CPU): (True, ""), (False, why not), or (None, why it was not
+    tried: the shrunk model does not build or is still large).  ``patchdsl suggest`` asks this before
+    keeping a vision tower's rules, so that verify of its suggestion can judge them."""
+    import copy
+    import warnings
+
+    from ..model.loading import tiny_config
+
+    with quiet():
+        try:
+            cfg = copy.deepcopy(config)
+            cfg = shrink_composite(cfg, tiny_config) if hasattr(getattr(cfg, "text_config", None), "to_dict") \
+                else shrink_config(cfg, tiny_config)
+            cfg._attn_implementation = "eager"
+            if meta_params(cfg) > MAX_TINY_PARAMS:
+                return None, "its shrunk config is still large: not tried"
+            model = build(cfg)
+        except Exception as e:
+            return None, f"a tiny model of its config does not build: {short_error(e)}"
+    with warnings.catch_warnings():           # (transformers' log lines are shown again here)
+        warnings.simplefilter("ignore")
+        r, why = image_recipe_of(model)
+    return r is not None, why

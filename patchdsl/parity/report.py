@@ -182,7 +182,7 @@ class ParityReport:
     def plain_lines(self) -> list[str]:
         """The table as plain fixed-column lines (one per check, never wrapped), then the verdict:
         what the CLI prints when its output is not a terminal (a file, a pipe, grep)."""
-        from ..plantext import columns
+        from ..planning.text import columns
 
         rows = [["ok" if r.passed else "FAIL", r.kind, r.path or "<model>", r.op,
                  r.quantity + (f" ({r.note})" if r.note else ""), _fmt(r.rel_fro_err), _fmt(r.reference_err),

@@ -19,237 +19,17 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from .compare import Errors, Tolerance, errors, judge, tolerance_for
+from .compare import tolerance_for
 from .hooks import Capture, cast_to, run_host, run_site
-from .moe import eager_experts, is_routed_call, router_checks, routing_grads
+from .moe import is_routed_call, router_checks, routing_grads
+from ..model.modules import decoder_layers
+from ..util.vocab import DTYPES, canonical_dtype, torch_dtype
 from .reference import float64_mode
 from .report import Check, ParityReport
-from .stream import (MODES, Float64Tally, VerifyError, StreamedReference, VerifyOutOfMemory, choose, decoder_layers, estimate,
-                     truncate_layers)
-
-TORCH_DTYPES = ("fp32", "bf16", "fp16")
-
-
-_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float": "fp32", "half": "fp16"}
-
-
-def _dtype_name(dtype: Any) -> Any:
-    """"bf16", "bfloat16", "torch.bfloat16" or torch.bfloat16 -> "bf16" (other values unchanged)."""
-    s = str(dtype)
-    s = s[len("torch."):] if s.startswith("torch.") else s
-    return _DTYPE_ALIASES.get(s, s)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[name]
-
-
-def _prepare(model: Any, dtype: Any, device: Any) -> Any:
-    """Cast, move, train mode, dropout off (training-only code paths run, deterministically)."""
-    import torch
-
-    model.to(device=device, dtype=dtype)
-    if dtype == torch.float64:
-        eager_experts(model)    # MoE: the float64 reference must not go through grouped_mm (see .moe)
-    model.train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-            m.p = 0.0
-        for attr in ("attention_dropout", "dropout", "hidden_dropout", "resid_dropout", "residual_dropout"):
-            v = m.__dict__.get(attr)
-            if isinstance(v, float) and not isinstance(v, bool):
-                setattr(m, attr, 0.0)
-    for p in model.parameters():
-        p.grad = None
-    return model
-
-
-def _vocab(model: Any) -> int:
-    cfg = getattr(model, "config", None)
-    if hasattr(cfg, "get_text_config"):      # a vision-language model: its language tower's vocabulary
-        cfg = cfg.get_text_config()          # (PaliGemma's top-level vocab_size is not its embedding's)
-    v = getattr(cfg, "vocab_size", None)
-    if isinstance(v, int) and v > 0:
-        return v
-    emb = model.get_input_embeddings()
-    return int(emb.num_embeddings)
-
-
-def _batch(gen: Any, vocab: int, batch: int, seq: int, device: Any) -> dict[str, Any]:
-    import torch
-
-    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
-            "labels": ids.clone().to(device), "use_cache": False}
-
-
-def _typed(b: dict[str, Any], dtype: Any) -> dict[str, Any]:
-    """``b`` with its floating tensors (an image batch's pixels) in ``dtype``."""
-    if dtype is None:
-        return b
-    return {k: (v.to(dtype) if hasattr(v, "is_floating_point") and v.is_floating_point() else v)
-            for k, v in b.items()}
-
-
-def _images(images: bool | None, model: Any, others: list, mode: str, batch: int, seq: int,
-            say: Callable[[str], None]) -> tuple[Any, dict[str, Any] | None]:
-    """(the image recipe or None, what the report says about images) for ``verify(images=...)``; the
-    recipe's special ids are moved into the vocabulary on every copy (see :mod:`.images`)."""
-    from .images import image_recipe
-
-    vl = getattr(getattr(model, "config", None), "vision_config", None) is not None
-    if images is False:
-        return None, ({"fed": False, "reason": "text only asked (images=False / --text-only)"} if vl else None)
-    if not vl and images is None:
-        return None, None
-    if mode != "whole":
-        why = ("the streamed float64 reference runs the language tower's decoder layers alone; an image batch "
-               "needs the whole float64 reference (--reference whole, --layers N or a smaller model)")
-    else:
-        say("building an image batch from the config (one forward without gradient)")
-        recipe, why = image_recipe(model, batch=batch, seq=seq)
-        if recipe is not None:
-            for m in others:
-                recipe.configure(m)
-            say(f"images: {recipe.describe()}")
-            return recipe, {"fed": True, "batch": recipe.describe(), "layout": recipe.layout,
-                            "image_tokens": recipe.per_image}
-    if images:
-        raise VerifyError(f"verify cannot feed images to {type(model).__name__}: {why}")
-    say(f"images: none fed ({why})")
-    return None, {"fed": False, "reason": why}
-
-
-def _ctx(model: Any):
-    """The float64 mode for the reference model (see .reference), nothing for the others."""
-    import contextlib
-
-    import torch
-
-    p = next(model.parameters(), None)
-    return float64_mode() if p is not None and p.dtype == torch.float64 else contextlib.nullcontext()
-
-
-def _forward_backward(model: Any, batch: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-    """(loss, logits or None, {param name: grad})."""
-    for p in model.parameters():
-        p.grad = None
-    with _ctx(model):
-        out = model(**batch)
-    loss = out.loss if hasattr(out, "loss") else out[0]
-    if loss is None:
-        raise RuntimeError(f"{type(model).__name__} returned no loss for a batch with labels")
-    loss.backward()
-    logits = getattr(out, "logits", None)
-    grads = {n: (p.grad.detach() if p.grad is not None else None) for n, p in model.named_parameters()}
-    return loss.detach(), (logits.detach() if logits is not None else None), grads
-
-
-def _check(kind: str, path: str, op: str, quantity: str, patched: Any, hf: Any, ref: Any, tol: Tolerance,
-           note: str = "") -> Check:
-    if ref is None and patched is None and hf is None:
-        raise ValueError("nothing to compare")
-    if ref is None or patched is None:
-        missing = "the patched model" if patched is None else "the float64 reference"
-        inf = float("inf")
-        return Check(kind, path, op, quantity, inf, inf, inf, float("nan"), float("nan"), False,
-                     (note + "; " if note else "") + f"no value from {missing}")
-    ep = errors(patched, ref)
-    eh = errors(hf, ref) if hf is not None else Errors.nonfinite()
-    if not bool(_finite(ref)):
-        return Check(kind, path, op, quantity, ep.max_abs, ep.max_rel, ep.rel_fro, eh.rel_fro, float("nan"), False,
-                     (note + "; " if note else "") + "the float64 reference is not finite")
-    ok, ref_err, bound = judge(ep, eh, tol)
-    if not ep.finite:
-        note = (note + "; " if note else "") + "NaN/inf in the patched value"
-    return Check(kind, path, op, quantity, ep.max_abs, ep.max_rel, ep.rel_fro, ref_err, bound, ok, note)
-
-
-def _finite(t: Any) -> bool:
-    import torch
-
-    return bool(torch.isfinite(t).all())
-
-
-def _base(model_or_factory: Any) -> Any:
-    """The model verify patches: a deep copy of an ``nn.Module`` argument (left untouched), or
-    what the factory returns (consumed)."""
-    import torch
-
-    if isinstance(model_or_factory, torch.nn.Module):
-        src = model_or_factory
-        _not_patched(src)
-        return copy.deepcopy(src)
-    if callable(model_or_factory):
-        base = model_or_factory()
-        if not isinstance(base, torch.nn.Module):
-            raise TypeError(f"the model factory returned {type(base).__name__}, not a torch.nn.Module")
-        _not_patched(base)
-        return base
-    raise TypeError("verify() needs an nn.Module or a zero-argument function returning one")
-
-
-def _not_patched(model: Any) -> None:
-    from ..runtime.patch import SITE_ATTR
-
-    if any(SITE_ATTR in m.__dict__ for m in model.modules()):
-        raise ValueError("the model is already patched; pass the unpatched model (undo its handle first)")
-
-
-class _Grads:
-    """Judges each parameter's gradient as its float64 reference arrives (whole model: all at
-    once; streamed: layer by layer in the backward), keeping numbers, not tensors."""
-
-    def __init__(self, h_grads: dict[str, Any], p_grads: dict[str, Any], tol: Tolerance):
-        self.h, self.p, self.tol = h_grads, p_grads, tol
-        self.rows: list[Check] = []
-        self.stats: list[tuple[float, float, float, float, float]] = []   # rel_p, rel_h, |ref|^2, max_abs, max_rel
-        self.seen: set[str] = set()
-
-    def add(self, name: str, rg: Any) -> None:
-        if name in self.seen:
-            return
-        self.seen.add(name)
-        pg, hg = self.p.get(name), self.h.get(name)
-        if rg is None and pg is None:
-            return
-        if rg is not None:        # gradients parked on the host: one transfer each
-            pg = pg.to(rg.device) if pg is not None else None
-            hg = hg.to(rg.device) if hg is not None else None
-        row = _check("end-to-end", name, "", "grad", pg, hg, rg, self.tol)
-        self.rows.append(row)
-        if rg is not None and pg is not None:
-            rn2 = float(rg.double().norm()) ** 2 if rg.numel() else 0.0
-            self.stats.append((row.rel_fro_err, row.reference_err, rn2, row.max_abs_err, row.max_rel_err))
-
-    def aggregate(self) -> Check:
-        """One row over all parameter gradients concatenated (informational; each was judged alone)."""
-        import math
-
-        num_p = num_h = den = 0.0
-        max_abs = max_rel = 0.0
-        for rp, rh, rn2, ma, mr in self.stats:
-            num_p += rp ** 2 * rn2
-            num_h += rh ** 2 * rn2
-            den += rn2
-            max_abs, max_rel = max(max_abs, ma), max(max_rel, mr)
-        rp = math.sqrt(num_p / den) if den else 0.0
-        rh = math.sqrt(num_h / den) if den else 0.0
-        bound = self.tol.bound(rh)
-        return Check("end-to-end", "", "", f"grad (all {len(self.stats)} parameters)", max_abs, max_rel, rp, rh,
-                     bound, rp <= bound, "each parameter judged separately")
-
-
-def _is_oom(e: BaseException) -> bool:
-    import torch
-
-    if isinstance(e, getattr(torch, "OutOfMemoryError", ())) or isinstance(e, MemoryError):
-        return True
-    msg = str(e)
-    return isinstance(e, RuntimeError) and ("out of memory" in msg.lower() or "can't allocate memory" in msg
-                                            or "not enough memory" in msg.lower())
+from .stream import MODES, Float64Tally, StreamedReference, VerifyOutOfMemory, choose, estimate, truncate_layers
+from .inputs import _Grads, _base, _batch, _check, _ctx, _forward_backward, _images, _is_oom, _prepare, _typed, _vocab
+from .steps import (_first_step, _is_causal_lm, _is_router, _op_inputs, _park, _router_loss_off, _site_tolerances,
+                    _source_device, _steps)
 
 
 def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int = 2, seq: int = 16,
@@ -279,9 +59,9 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
     """
     import torch
 
-    dtype = _dtype_name(dtype)
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)} (or torch.float32, torch.bfloat16, "
+    dtype = canonical_dtype(dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or torch.float32, torch.bfloat16, "
                          f"torch.float16), got {dtype!r}")
     if batch < 1 or seq < 2 or steps < 0:
         raise ValueError("need batch >= 1, seq >= 2 and steps >= 0")
@@ -326,7 +106,8 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     import torch
 
     from ..codegen.env import target as detect_target
-    from ..planner import PatchPlan, plan as make_plan
+    from ..planning.plan import PatchPlan
+    from ..planning.planner import plan as make_plan
     from ..runtime import apply
 
     t_start = time.perf_counter()
@@ -340,7 +121,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     if target == "cuda" and device.type != "cuda":
         raise ValueError(f"the kernels are compiled for cuda; run verify with device='cuda', not {device}")
     tol = tolerance_for(dtype, factor, floor)
-    dt = _torch_dtype(dtype)
+    dt = torch_dtype(dtype)
 
     stage("building the model")
     base = _base(model_or_factory)
@@ -572,155 +353,3 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
                          "params": est.params, "dtype_bytes": dt.itemsize}
     report.seconds = round(time.perf_counter() - t_start, 2)
     return report
-
-
-def _site_tolerances(live, dtype: str, tol: Tolerance, floor: float | None) -> dict[str, Tolerance]:
-    """Per site: ``tol``, or (unless ``floor`` was given explicitly) the op's own floor
-    (:meth:`patchdsl.ops.base.Op.parity_floor`) where it states one, or the loosest floor of the
-    sites its module runs (an MLP site whose projections are fp8 sites: its output carries their error)."""
-    from ..ops.registry import get_op
-
-    own = {}
-    for s in live:
-        op = get_op(s.op)
-        f = op.parity_floor(s.flag_dict, dtype) if op is not None and floor is None else None
-        if f is not None:
-            own[s.path] = float(f)
-    out = {}
-    for s in live:      # by the site's module (an LM head's check runs the head alone, on captured hidden states)
-        inner = [f for p, f in own.items() if p == s.path or s.path == "" or p.startswith(s.path + ".")]
-        out[s.path] = Tolerance(tol.factor, max(max(inner), tol.floor)) if inner else tol
-    return out
-
-
-def _park(model: Any, grads: dict[str, Any], device: Any) -> dict[str, Any]:
-    """The gradients, moved to the host when ``device`` is a GPU; the model's ``.grad`` cleared
-    (the streamed reference's float64 copies of it then carry none)."""
-    if device.type == "cuda":
-        grads = {n: (g.to("cpu") if g is not None else None) for n, g in grads.items()}
-    for q in model.parameters():
-        q.grad = None
-    return grads
-
-
-def _source_device(model: Any, default: Any) -> Any:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else default
-
-
-def _first_step(report: ParityReport, stream: Any, models, gen, vocab, batch, seq, device, tol,
-                extra: dict[str, Any] | None, router_off: dict[str, Any] | None = None) -> None:
-    """``steps=1`` with the streamed reference: step 1's loss is taken before any update, so it
-    needs no float64 optimizer (see :data:`.stream._STEPS_MSG` for more steps)."""
-    import torch
-
-    b = {**_batch(gen, vocab, batch, seq, device), **(router_off or {})}
-    losses = []
-    for m in models:
-        p0 = next(m.parameters(), None)
-        kw = cast_to(extra, p0.dtype, device) if extra and p0 is not None else {}
-        out = m(**b, **kw)
-        losses.append(out.loss.detach())
-        del out
-    kw = cast_to(extra, torch.float64, device) if extra else {}
-    r = stream.loss({**b, **kw})
-    report.rows.append(_check("step", "", "", "loss step 1", losses[1], losses[0], r, tol))
-
-
-def _op_inputs(live: list, ref: Any, hf: Any, patched: Any, batch: int, seq: int, seed: int) -> dict[str, Any]:
-    """What ops whose calls an unpatched model cannot answer need (``Op.parity_kwargs``: a distillation
-    loss's teacher), and the plain-PyTorch forwards (``Op.parity_reference``) that let the float64
-    reference and the unpatched copy answer them, installed on those two copies (verify's own)."""
-    import torch
-
-    from ..ops.registry import get_op
-
-    extra: dict[str, Any] = {}
-    gen = torch.Generator().manual_seed(seed * 7 + 12345)      # its own stream: b0 stays as without it
-    for s in live:
-        op = get_op(s.op)
-        if op is None:
-            continue
-        flags = s.flag_dict
-        host = patched.get_submodule(s.host) if s.host else patched
-        kw = op.parity_kwargs(host, flags, batch, seq, gen)
-        if not kw:
-            continue
-        extra.update(kw)
-        for m in (ref, hf):
-            h = m.get_submodule(s.host) if s.host else m
-            for obj, attr, value in op.parity_reference(h, flags):
-                setattr(obj, attr, value)
-    return extra
-
-
-def _steps(report: ParityReport, models, gen, vocab, batch, seq, steps, lr, device, tol, say,
-           extra: dict[str, Any] | None = None, recipe: Any = None) -> None:
-    """N AdamW steps on each model.  16-bit models keep fp32 master weights (the usual mixed-precision
-    recipe: AdamW's state and eps do not fit fp16); the float64 reference steps its own weights."""
-    import torch
-
-    params, masters, opts = [], [], []
-    for m in models:
-        ps = [q for q in m.parameters() if q.requires_grad]
-        if ps and ps[0].dtype in (torch.float16, torch.bfloat16):
-            ms = [q.detach().float().clone().requires_grad_(True) for q in ps]
-        else:
-            ms = ps
-        params.append(ps)
-        masters.append(ms)
-        opts.append(torch.optim.AdamW(ms, lr=lr, foreach=False))
-    losses: list[list[Any]] = [[], [], []]
-    for i in range(steps):
-        b = recipe.batch(gen, batch, seq, device) if recipe is not None else _batch(gen, vocab, batch, seq, device)
-        say(f"step {i + 1}/{steps}")
-        for k, m in enumerate(models):
-            for q in params[k]:
-                q.grad = None
-            p0 = next(m.parameters(), None)
-            kw = cast_to(extra, p0.dtype, device) if extra and p0 is not None else {}
-            with _ctx(m):
-                out = m(**_typed(b, p0.dtype if p0 is not None else None), **kw)
-            out.loss.backward()
-            if masters[k] is not params[k]:
-                for q, mq in zip(params[k], masters[k]):
-                    mq.grad = None if q.grad is None else q.grad.float()
-            opts[k].step()
-            if masters[k] is not params[k]:
-                with torch.no_grad():
-                    for q, mq in zip(params[k], masters[k]):
-                        q.copy_(mq)
-            losses[k].append(out.loss.detach())
-    for i in range(steps):
-        r, h, p = losses[0][i], losses[1][i], losses[2][i]
-        report.rows.append(_check("step", "", "", f"loss step {i + 1}", p, h, r, tol))
-    for m in models:
-        for q in m.parameters():
-            q.grad = None
-
-
-def _router_loss_off(model: Any) -> dict[str, Any]:
-    """``{"output_router_logits": False}`` when ``model`` is a MoE causal LM whose config turns its router
-    logits (and so its auxiliary loss) on: the streamed float64 reference runs the decoder layers one
-    at a time outside the model, where transformers' output recorders do not see the routers, so it
-    has no router logits to add the loss from; ``{}`` otherwise."""
-    import inspect
-
-    try:
-        params = inspect.signature(type(model).forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    cfg = getattr(model, "config", None)
-    if "output_router_logits" in params and getattr(cfg, "output_router_logits", False) is True:
-        return {"output_router_logits": False}
-    return {}
-
-
-def _is_router(p: Any, path: str) -> bool:
-    info = p.infos.get(path)
-    return bool(info is not None and "Router" in info.kinds)
-
-
-def _is_causal_lm(p: Any, host: str) -> bool:
-    info = p.infos.get(host)
-    return bool(info is not None and "CausalLM" in info.kinds)

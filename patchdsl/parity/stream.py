@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .hooks import Capture, base_model_of, first_tensor
-from ..ops.common import decoder_layers  # noqa: F401  (parity.run imports it from here)
+from ..model.modules import decoder_layers
+from ..util.vocab import DTYPE_BYTES
 from .reference import float64_mode
 
 MODES = ("auto", "whole", "streamed")
@@ -510,7 +511,7 @@ def build_dtype(meta_model: Any, dtype: str, batch: int, seq: int, steps: int, d
     fp32 copy of an 8B model is kept beside them).  Raises VerifyError as :func:`choose` does."""
     if layers is not None:
         truncate_layers(meta_model, layers)
-    size = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    size = DTYPE_BYTES[dtype]
     total = sum(p.numel() for p in {id(p): p for p in meta_model.parameters()}.values())
     est = estimate(meta_model, size, batch, seq, device, base_on_device=False, steps=steps)
     est.whole_bytes += 4 * total            # the fp32 model itself, built on the device

@@ -31,14 +31,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..codegen import KernelKey, load_kernel
-from ..codegen.custom_ops import compiling
+from ..kernel_support.custom_ops import compiling
 from ..codegen.env import target as detect_target
-from ..index import module_info
-from ..ops.base import ModuleInfo, Op
-from ..ops.common import dtype_name
+from ..model.index import module_info
+from ..model.info import ModuleInfo
+from ..ops.base import Op
+from ..util.vocab import dtype_name
 from ..ops.registry import get_op
-from ..planner import PatchPlan, PlanError, Unavailable, check_site, resolve_here
-from ..planner import plan as make_plan
+from ..util.vocab import DTYPES, dtype_name, torch_dtype
+from ..planning.plan import PatchPlan
+from ..planning.plan_file import PlanError
+from ..planning.availability import Unavailable, resolve_here
+from ..planning.site_check import check_site
+from ..planning.planner import plan as make_plan
 
 class _Missing:
     """'There was no instance attribute': one object, kept by copy/deepcopy/pickle."""
@@ -58,7 +63,6 @@ class _Missing:
 
 _MISSING = _Missing()
 SITE_ATTR = "_patchdsl_site"
-KERNEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class PatchError(RuntimeError):
@@ -109,7 +113,7 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
                     f"torch.compile traced the model (loaded: {have}); add {dtype_name(dt)} to the spec's "
                     "dtype line, or run one eager step first")
             name = dtype_name(dt)
-            if name not in KERNEL_DTYPES:
+            if name not in DTYPES:
                 raise UnsupportedDtype(
                     f"{op.name} has kernels for float32, bfloat16 and float16 only, not {dt} (was the model cast "
                     f"after patchdsl.apply? call handle.undo() before casting, then apply again)")
@@ -124,7 +128,7 @@ def kernel_getter(op: Op, info: ModuleInfo, flags: dict, target: str, preload: l
         import torch
 
         for d in preload:
-            get(getattr(torch, KERNEL_DTYPES[d]))
+            get(torch_dtype(d))
     return get
 
 
@@ -184,7 +188,7 @@ class PatchHandle:
         return s
 
 
-def _set(handle: PatchHandle, record: SiteRecord | None, obj: Any, attr: str, value: Any) -> None:
+def set_recorded(handle: PatchHandle, record: SiteRecord | None, obj: Any, attr: str, value: Any) -> None:
     old = obj.__dict__.get(attr, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, attr, _MISSING)
     handle._undo.append((obj, attr, old, value))
     setattr(obj, attr, value)
@@ -307,7 +311,7 @@ def uncovered_modules(plan: PatchPlan, model: Any) -> list[Refusal]:
     """Modules of ``model`` the plan never saw (not in ``plan.structure``) that are like a site of it
     (same leaf name and class: ``model.layers.5.mlp`` beside a plan for ``model.layers.1.mlp``), as
     refusals: the spec would have selected them, the plan cannot patch them."""
-    from ..ops.kinds import unwrap
+    from ..model.modules import unwrap
 
     if not plan.structure:
         raise PlanError("the plan records no model structure (make it with patchdsl.plan or read it from a plan file)")
@@ -354,7 +358,7 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
     uncovered: list[Refusal] = []
     if not fresh:
         # a plan not made in this call meets the availability and attention checks plan makes
-        # (planner.resolve_here: packages, GPU, a local repository's files against its sha256 pin,
+        # (planning.availability.resolve_here: packages, GPU, a local repository's files against its sha256 pin,
         # before anything is imported), and must know every module like the ones it patches
         try:
             plan = resolve_here(plan, type(model))
@@ -415,13 +419,13 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                 continue
             record = SiteRecord(f"{site.op} from {site.rule}")
             for obj, attr, value in installs:
-                _set(handle, record if obj is host else None, obj, attr, value)
-            _set(handle, None, host, SITE_ATTR, record)
+                set_recorded(handle, record if obj is host else None, obj, attr, value)
+            set_recorded(handle, None, host, SITE_ATTR, record)
             handle.patched.append(site.path)
         if plan.attention is not None:
             # the model's attention implementation, on this instance only (see ops/attention_impl.py)
             for obj, attr, value in plan.attention.install(model):
-                _set(handle, None, obj, attr, value)
+                set_recorded(handle, None, obj, attr, value)
     except BaseException:
         handle.undo()
         raise
@@ -446,7 +450,7 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
     if reason:
         raise PatchError(f"refused {op_name} on {type(module).__name__}: {reason}")
     # the module's own dtype is loaded now: a kernel cannot be loaded while torch.compile traces
-    preload = [info.dtype] if info.dtype in ("fp32", "bf16", "fp16") else []
+    preload = [info.dtype] if info.dtype in DTYPES else []
     kernels = kernel_getter(op, info, resolved, target, preload)
     for obj, attr, value in op.install(module, kernels, resolved, info):
         if attr == "forward" and not op.wraps_instance_forward:
@@ -454,6 +458,6 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
             if why:
                 handle.undo()
                 raise PatchError(f"refused {op_name} on {type(module).__name__}: {why}")
-        _set(handle, None, obj, attr, value)
+        set_recorded(handle, None, obj, attr, value)
     handle.patched.append("")
     return handle

@@ -116,3 +116,7 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str | None:
         close = difflib.get_close_matches(word.lower(), list(lower), n=1, cutoff=0.6)
         close = [lower[c] for c in close]
     return f"did you mean '{close[0]}'?" if close else None
+
+
+def clip(t: str, n: int = 24) -> str:
+    return t if len(t) <= n else t[:n] + f"... ({len(t)} characters)"

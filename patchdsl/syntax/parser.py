@@ -21,264 +21,22 @@ Includes (documented in docs/language.md, "Includes and limits"):
 
 from __future__ import annotations
 
-import math
 import os
 import re
-import stat
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from dataclasses import replace
 from pathlib import Path
 
-from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark.exceptions import UnexpectedInput, VisitError
 
-from .. import files
-from ..resources import grammar_path, specs_dir
-from .ast import Arg, AttentionDirective, ClassPattern, DefaultDirective, Flag, OpCall, Rule, Selector, Span, Spec
-from .errors import MAX_ERRORS, SpecError, did_you_mean
-from .selectors import check_selector
+from ..util import files
+from .ast import AttentionDirective, DefaultDirective, Rule, Span, Spec
+from .errors import SpecError
+from .grammar import lark_parser, syntax_error
+from .includes import (MAX_INCLUDE_DEPTH, MAX_INCLUDES, MAX_SPEC_BYTES, LoadContext, default_roots, display_name,
+                       find_spec_file, read_spec_text, resolve_include, spec_not_found)
+from .transform import SpecBuilder
 
-MAX_SPEC_BYTES = 64 * 1024          # one spec file
-MAX_TOTAL_BYTES = 256 * 1024        # a spec and everything it includes
-MAX_INCLUDE_DEPTH = 16
-MAX_INCLUDES = 64                   # include directives expanded in all
 MAX_RULES = 500                     # rules after expanding includes
-MAX_INT_DIGITS = 19                 # integers must fit 64 bits
-
-DTYPES = ("fp32", "bf16", "fp16")
-DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
-
-# Human names for terminals in "expected ..." messages.
-_TERMINAL_NAMES = {
-    "SELECTOR": "a module selector (e.g. *.mlp)",
-    "CLASSPAT": "a class pattern or kind (e.g. RMSNorm, Qwen3MLP, *Norm)",
-    "NAME": "a name",
-    "NUMBER": "a number",
-    "STRING": "a quoted string",
-    "COLON": "':'",
-    "COMMA": "','",
-    "VBAR": "'|'",
-    "__ANON_0": "'->'",
-    "LPAR": "'('",
-    "RPAR": "')'",
-    "EQUAL": "'='",
-    "_NL": "end of line",
-    "OPTIONAL": "'optional'",
-    "DTYPE": "'dtype'",
-    "INCLUDE": "'include'",
-    "DEFAULT": "'default'",
-    "ATTENTION": "'attention'",
-    "DOT": "'.'",
-    "$END": "end of file",
-}
-
-
-def _clip(t: str, n: int = 24) -> str:
-    return t if len(t) <= n else t[:n] + f"... ({len(t)} characters)"
-
-
-@lru_cache(maxsize=1)
-def _parser() -> Lark:
-    return Lark(grammar_path().read_text(), parser="lalr", propagate_positions=True,
-                maybe_placeholders=False)
-
-
-def _human(term: str, parser: Lark) -> str:
-    if term in _TERMINAL_NAMES:
-        return _TERMINAL_NAMES[term]
-    try:
-        pat = parser.get_terminal(term).pattern
-        if pat.type == "str":
-            return f"'{pat.value}'"
-    except Exception:
-        pass
-    return term.lower()
-
-
-class _BadValue:
-    """The value of a flag whose literal was already reported as an error."""
-
-    def __repr__(self) -> str:
-        return "<bad value>"
-
-
-BAD_VALUE = _BadValue()
-
-
-class _Build(Transformer):
-    def __init__(self, file: str, lines: list[str], line_offset: int = 0):
-        super().__init__()
-        self.file = file
-        self.lines = lines
-        self.offset = line_offset
-        self.errors: list[SpecError] = []     # errors that did not stop the statement
-
-    def span(self, tok_or_meta, width: int | None = None) -> Span:
-        line, col = tok_or_meta.line + self.offset, tok_or_meta.column
-        if width is None:
-            end = getattr(tok_or_meta, "end_column", None)
-            end_line = getattr(tok_or_meta, "end_line", line - self.offset) + self.offset
-            if end is None or end_line != line:
-                end = col + 1
-        else:
-            end = col + width
-        src = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
-        return Span(self.file, line, col, end, src)
-
-    def start(self, items):
-        return list(items)
-
-    @v_args(meta=True)
-    def dtype_directive(self, meta, items):
-        names = []
-        for tok in items:
-            name = DTYPE_ALIASES.get(str(tok), str(tok))
-            if name not in DTYPES:
-                raise SpecError(f"unknown dtype '{tok}'", self.span(tok),
-                                hint=did_you_mean(str(tok), DTYPES) or f"expected one of {', '.join(DTYPES)}")
-            names.append(name)
-        return ("dtype", tuple(dict.fromkeys(names)), self.span(meta))
-
-    @v_args(meta=True)
-    def include_directive(self, meta, items):
-        tok = items[0]
-        return ("include", str(tok)[1:-1], self.span(tok))
-
-    @v_args(meta=True)
-    def default_directive(self, meta, items):
-        name, name_span = items[0]
-        flags = tuple(i for i in items[1:] if isinstance(i, Flag))
-        return ("default", DefaultDirective(name, flags, name_span))
-
-    @v_args(meta=True)
-    def attention_directive(self, meta, items):
-        tok = items[0]
-        text = str(tok)
-        if tok.type == "STRING":
-            text = text[1:-1]
-        flags = tuple(i for i in items[1:] if isinstance(i, Flag))
-        return ("attention", AttentionDirective(text, flags, self.span(tok)))
-
-    @v_args(meta=True)
-    def op_name(self, meta, items):
-        """``fused_rmsnorm`` or a dotted external op ``liger.rms_norm``: (name, span of the whole name)."""
-        first, last = items[0], items[-1]
-        s = self.span(first)
-        return ".".join(str(t) for t in items), Span(self.file, s.line, s.col, last.end_column, s.source_line)
-
-    @v_args(meta=True)
-    def arg(self, meta, items):
-        return Arg(items[0], self.span(meta))
-
-    def selector(self, items):
-        tok = items[0]
-        text = str(tok)
-        sp = self.span(tok)
-        negated = text.startswith("!")
-        body = text[1:] if negated else text
-        body_span = Span(sp.file, sp.line, sp.col + int(negated), sp.end_col, sp.source_line)
-        check_selector(body, body_span)
-        return Selector(body, negated, sp)
-
-    @v_args(meta=True)
-    def class_pattern(self, meta, items):
-        return ClassPattern(tuple(str(t) for t in items), self.span(meta))
-
-    def flag(self, items):
-        name, value = items
-        return Flag(str(name), value, self.span(name))
-
-    def number(self, items):
-        try:
-            return self._number(items)
-        except SpecError as e:        # keep going: the rule's other flags may hold errors too
-            self.errors.append(e)
-            return BAD_VALUE
-
-    def _number(self, items):
-        tok = items[0]
-        t = str(tok)
-        mant = re.split(r"[eE]", t)[0]
-        if re.fullmatch(r"[+-]?\d+", t):
-            if len(t.lstrip("+-").lstrip("0")) > MAX_INT_DIGITS or not -2**63 <= int(t) < 2**63:
-                raise SpecError(f"integer {_clip(t)} is out of range", self.span(tok),
-                                hint="integers must fit in 64 bits (-2**63 .. 2**63-1)")
-            return int(t)
-        v = float(t)
-        if not math.isfinite(v):
-            raise SpecError(f"number {_clip(t)} is out of range (not a finite 64-bit float)", self.span(tok),
-                            hint="finite numbers only: at most about 1.8e308 in magnitude")
-        if v == 0.0 and any(c in "123456789" for c in mant):
-            raise SpecError(f"number {_clip(t)} is too small: it rounds to 0", self.span(tok),
-                            hint="the smallest positive 64-bit float is about 5e-324")
-        return v
-
-    def string(self, items):
-        return str(items[0])[1:-1]
-
-    def word(self, items):
-        t = str(items[0])
-        return {"true": True, "false": False, "none": None}.get(t, t)
-
-    @v_args(meta=True)
-    def op_call(self, meta, items):
-        name, name_span = items[0]
-        flags = tuple(i for i in items[1:] if isinstance(i, Flag))
-        args = tuple(i for i in items[1:] if isinstance(i, Arg))
-        seen_flag = False
-        for i in items[1:]:
-            seen_flag = seen_flag or isinstance(i, Flag)
-            if isinstance(i, Arg) and seen_flag:
-                raise SpecError("a positional value after a flag", i.span,
-                                hint="put the positional values first: hub(\"org/repo\", \"Layer\", version=1)")
-        return OpCall(name, flags, name_span, args)
-
-    @v_args(meta=True)
-    def rule(self, meta, items):
-        optional = bool(items) and isinstance(items[0], Token) and items[0].type == "OPTIONAL"
-        rest = items[1:] if optional else items
-        sels = tuple(i for i in rest if isinstance(i, Selector))
-        cp = next(i for i in rest if isinstance(i, ClassPattern))
-        op = next(i for i in rest if isinstance(i, OpCall))
-        first = sels[0].span
-        sp = Span(first.file, first.line, (items[0].column if optional else first.col), None, first.source_line)
-        if all(s.negated for s in sels):
-            raise SpecError("a rule needs at least one selector that is not an exclusion", sels[0].span,
-                            hint="write e.g. '*.mlp, !model.layers.0.mlp'")
-        return ("rule", Rule(sels, cp, op, optional, sp))
-
-
-def _syntax_error(e: UnexpectedInput, chunk: list[str], file: str, parser: Lark, offset: int = 0,
-                  echo: bool = True) -> SpecError:
-    """A located SpecError for a Lark error in ``chunk`` (lines of the file from ``offset``)."""
-    def src(ln: int) -> str:
-        return chunk[ln - 1] if echo and 0 < ln <= len(chunk) else ""
-
-    if isinstance(e, UnexpectedEOF) or getattr(e, "line", -1) in (-1, None):
-        # UnexpectedEOF carries no position: point after the last character.
-        nonempty = [i for i, l in enumerate(chunk) if l.strip()]
-        ln = (nonempty[-1] + 1) if nonempty else 1
-        col = len(chunk[ln - 1]) + 1 if chunk else 1
-        exp = sorted({_human(t, parser) for t in getattr(e, "expected", [])})
-        return SpecError("unexpected end of file", Span(file, ln + offset, col, col + 1, src(ln)),
-                         hint=("expected " + " or ".join(exp)) if exp else None)
-    ln, col = e.line, e.column
-    line = chunk[ln - 1] if 0 < ln <= len(chunk) else ""
-    if isinstance(e, UnexpectedCharacters):
-        ch = line[col - 1] if 0 < col <= len(line) else "?"
-        allowed = getattr(e, "allowed", None) or set()
-        exp = sorted({_human(t, parser) for t in allowed})
-        msg = f"unexpected character {ch!r}" if echo else "unexpected character"
-        return SpecError(msg, Span(file, ln + offset, col, col + 1, src(ln)),
-                         hint=("expected " + " or ".join(exp)) if exp else None)
-    assert isinstance(e, UnexpectedToken)
-    tok = e.token
-    exp = sorted({_human(t, parser) for t in e.expected if not t.startswith("__ANON") or t == "__ANON_0"})
-    shown = "end of line" if tok.type == "_NL" else ("end of file" if tok.type == "$END" else repr(_clip(str(tok), 60)))
-    width = max(1, len(str(tok))) if tok.type not in ("_NL", "$END") else 1
-    msg = f"unexpected {shown}" if echo or tok.type in ("_NL", "$END") else "unexpected text"
-    return SpecError(msg, Span(file, ln + offset, col, col + width, src(ln)),
-                     hint=("expected " + " or ".join(exp)) if exp else None)
 
 
 def _code_of(line: str) -> tuple[bool, bool]:
@@ -319,39 +77,6 @@ def _statements(lines: list[str]) -> list[tuple[int, int]]:
     return out
 
 
-@dataclass
-class _Ctx:
-    """What one load shares across its includes."""
-
-    roots: tuple[Path, ...]              # real paths includes may read under
-    include_dirs: tuple[Path, ...]
-    errors: list[SpecError] = field(default_factory=list)
-    more: int = 0
-    rules: int = 0
-    includes: int = 0
-    bytes: int = 0
-    stop: bool = False                   # a limit was hit: stop expanding
-
-    def add(self, e: SpecError) -> None:
-        for one in e.errors:
-            if len(self.errors) < MAX_ERRORS:
-                self.errors.append(one)
-            else:
-                self.more += 1
-        self.more += e.more
-
-
-def _default_roots(base_dir: Path | None, include_dirs: tuple[Path, ...]) -> tuple[Path, ...]:
-    roots = [Path(os.path.realpath(d)) for d in include_dirs]
-    if base_dir is not None:
-        roots.insert(0, Path(os.path.realpath(base_dir)))
-    try:
-        roots.append(Path(os.path.realpath(specs_dir())))
-    except FileNotFoundError:  # pragma: no cover - a broken install
-        pass
-    return tuple(dict.fromkeys(roots))
-
-
 def parse_spec(text: str, file: str = "<spec>", *, base_dir: Path | str | None = None,
                include_dirs: tuple[Path | str, ...] | list = (), _key: str | None = None) -> Spec:
     """Parse spec text.  ``file`` names the source in error messages.
@@ -361,7 +86,7 @@ def parse_spec(text: str, file: str = "<spec>", *, base_dir: Path | str | None =
     includes may read.  Raises one SpecError carrying every error found.
     """
     dirs = tuple(Path(d) for d in include_dirs)
-    ctx = _Ctx(_default_roots(Path(base_dir) if base_dir is not None else None, dirs), dirs)
+    ctx = LoadContext(default_roots(Path(base_dir) if base_dir is not None else None, dirs), dirs)
     if len(text) > MAX_SPEC_BYTES:
         raise SpecError(f"spec text is too large ({len(text):,} characters; at most {MAX_SPEC_BYTES:,})",
                         Span(file, 1, 1, 2, ""), hint="a spec is a few lines; split it with include")
@@ -375,16 +100,16 @@ def parse_spec(text: str, file: str = "<spec>", *, base_dir: Path | str | None =
     return spec
 
 
-def _parse(text: str, file: str, ctx: _Ctx, base_dir: Path | None, chain: tuple[str, ...], depth: int,
+def _parse(text: str, file: str, ctx: LoadContext, base_dir: Path | None, chain: tuple[str, ...], depth: int,
            echo: bool = True) -> Spec:
-    parser = _parser()
+    parser = lark_parser()
     if not text.endswith("\n"):
         text = text + "\n"
     lines = text.split("\n")
     items: list = []
 
     def build(tree, offset: int) -> None:
-        b = _Build(file, lines if echo else [""] * len(lines), offset)
+        b = SpecBuilder(file, lines if echo else [""] * len(lines), offset)
         for stmt in tree.children:
             try:
                 item = b.transform(stmt)
@@ -417,7 +142,7 @@ def _parse(text: str, file: str, ctx: _Ctx, base_dir: Path | None, chain: tuple[
             try:
                 sub = parser.parse("\n".join(chunk) + "\n")
             except UnexpectedInput as e:
-                ctx.add(_syntax_error(e, chunk, file, parser, first, echo))
+                ctx.add(syntax_error(e, chunk, file, parser, first, echo))
                 continue
             build(sub, first)
     dtypes: tuple[str, ...] = ()
@@ -468,7 +193,7 @@ def _parse(text: str, file: str, ctx: _Ctx, base_dir: Path | None, chain: tuple[
     return Spec(file, dtypes, tuple(rules), tuple(defaults), dtype_span, tuple(includes), attention)
 
 
-def _include(name: str, span: Span, ctx: _Ctx, base_dir: Path | None, chain: tuple[str, ...],
+def _include(name: str, span: Span, ctx: LoadContext, base_dir: Path | None, chain: tuple[str, ...],
              depth: int) -> Spec | None:
     if depth + 1 > MAX_INCLUDE_DEPTH:
         ctx.add(SpecError(f"includes nest too deep (at most {MAX_INCLUDE_DEPTH} levels)", span,
@@ -481,162 +206,18 @@ def _include(name: str, span: Span, ctx: _Ctx, base_dir: Path | None, chain: tup
         ctx.stop = True
         return None
     try:
-        target = _resolve_include(name, span, ctx, base_dir)
+        target = resolve_include(name, span, ctx, base_dir)
         key = str(target)
         if key in chain:
             names = [Path(c).name for c in chain[chain.index(key):]] + [target.name]
             raise SpecError(f"include cycle: {' -> '.join(names)}", span,
                             hint="a spec cannot include itself, directly or through other files")
-        text = _read_spec_text(target, span, ctx)
+        text = read_spec_text(target, span, ctx)
     except SpecError as e:
         ctx.add(e)
         return None
-    sub = _parse(text, _display_name(target, str(target)), ctx, target.parent, chain + (key,), depth + 1)
+    sub = _parse(text, display_name(target, str(target)), ctx, target.parent, chain + (key,), depth + 1)
     return replace(sub, includes=(key,) + sub.includes)
-
-
-def _under(path: Path, roots: tuple[Path, ...]) -> bool:
-    return any(path == r or r in path.parents for r in roots)
-
-
-def _resolve_include(name: str, span: Span, ctx: _Ctx, base_dir: Path | None) -> Path:
-    if not name or "\x00" in name:
-        raise SpecError("empty include name" if not name else "include name holds a NUL character", span)
-    p = Path(name)
-    names = [p] if p.suffix == ".kpatch" else [p.with_name(p.name + ".kpatch")] if p.name else []
-    if not names:
-        raise SpecError(f"include {name!r} does not name a file", span)
-    if p.suffix and p.suffix != ".kpatch":
-        raise SpecError(f"included file {name!r} is not a spec: only *.kpatch files can be included", span,
-                        hint="spec files are named NAME.kpatch")
-    cands: list[Path] = []
-    for q in names:
-        if q.is_absolute():
-            cands.append(q)
-        else:
-            if base_dir is not None:
-                cands.append(base_dir / q)
-            cands.extend(d / q for d in ctx.include_dirs)
-            if len(q.parts) == 1:
-                cands.append(specs_dir() / q)
-    outside = []
-    for c in cands:
-        real = Path(os.path.realpath(os.path.abspath(c)))
-        if not _under(real, ctx.roots):
-            outside.append(real)
-            continue
-        try:
-            st = os.stat(real)
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            raise SpecError(f"included {name!r} is not a regular file", span)
-        return real
-    allowed = ", ".join(str(r) for r in ctx.roots)
-    if outside:
-        raise SpecError(f"included file {name!r} is outside the folders includes may read", span,
-                        hint=f"includes may read under: {allowed}; allow another folder with "
-                             f"include_dirs=[...] (Python) or --include-dir (CLI)")
-    raise SpecError(f"included file {name!r} not found", span,
-                    hint=f"looked in {', '.join(dict.fromkeys(str(c.parent) for c in cands))}" if cands else None)
-
-
-def _read_spec_text(path: Path, span: Span | None, ctx: _Ctx | None = None, shown: str | None = None) -> str:
-    """The text of a spec file; refuses (without showing any of its content) what is not one.
-
-    ``span``: the include directive (None for a top-level file: errors then point into the file
-    itself, line and column only).
-    """
-    shown = shown or str(path)
-
-    def at(offset_line: int = 1, col: int = 1) -> Span:
-        return span if span is not None else Span(shown, offset_line, col, col + 1, "")
-
-    if path.suffix != ".kpatch":
-        raise SpecError(f"'{shown}' is not a spec file: spec files are named NAME.kpatch", span)
-    try:
-        data = files.read_bytes(path, "spec", limit=MAX_SPEC_BYTES, what="spec")
-    except files.FileReadError as e:
-        if e.reason == "too-large":
-            raise SpecError(f"'{shown}' is too large for a spec (over {MAX_SPEC_BYTES:,} bytes)", at(),
-                            hint="a spec is a few lines: use globs rather than one rule per module") from None
-        if e.reason == "not-regular":
-            raise SpecError(f"'{shown}' is not a regular file ({str(e).rpartition(': ')[2]})", span) from None
-        raise SpecError(str(e), span) from None
-    if ctx is not None:
-        ctx.bytes += len(data)
-        if ctx.bytes > MAX_TOTAL_BYTES:
-            raise SpecError(f"the spec and its includes are too large (over {MAX_TOTAL_BYTES:,} bytes in all)",
-                            at())
-
-    def where(offset: int) -> tuple[int, int]:
-        head = data[:offset]
-        return head.count(b"\n") + 1, offset - (head.rfind(b"\n") + 1) + 1
-
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        ln, col = where(e.start)
-        raise SpecError(f"'{shown}' is not a spec: it is not UTF-8 text (line {ln}, column {col})",
-                        at(ln, col)) from None
-    bad = next((i for i, c in enumerate(text) if ord(c) < 32 and c not in "\t\n\r\f"), None)
-    if bad is not None:
-        ln, col = where(len(text[:bad].encode("utf-8")))
-        raise SpecError(f"'{shown}' is not a spec: it holds control characters, first at line {ln}, "
-                        f"column {col} (a binary file?)", at(ln, col))
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    return text
-
-
-def _display_name(path: Path, default: str) -> str:
-    """``specs/NAME.kpatch`` for a shipped spec, else ``default``."""
-    try:
-        sd = Path(os.path.realpath(specs_dir()))
-        real = Path(os.path.realpath(path))
-    except (FileNotFoundError, OSError):  # pragma: no cover
-        return default
-    if real.parent == sd:
-        return f"specs/{real.name}"
-    return default
-
-
-def shipped_names() -> list[str]:
-    try:
-        return sorted(p.stem for p in specs_dir().glob("*.kpatch"))
-    except FileNotFoundError:  # pragma: no cover
-        return []
-
-
-def find_spec_file(name: str | Path) -> Path | None:
-    """``name`` itself if it is a file, else the shipped spec it names (``qwen3``, ``qwen3.kpatch``,
-    ``specs/qwen3.kpatch``)."""
-    text = str(name)
-    if "\n" in text or "\x00" in text or len(text) > 1024:
-        return None
-    p = Path(text)
-    try:
-        if p.is_file():
-            return p
-        parts = Path(text).parts
-        if len(parts) == 1 or (len(parts) == 2 and parts[0] == "specs"):
-            stem = p.name[:-len(".kpatch")] if p.name.endswith(".kpatch") else p.name
-            shipped = specs_dir() / (stem + ".kpatch")
-            if stem and shipped.is_file():
-                return shipped
-    except OSError:          # not a usable path
-        return None
-    return None
-
-
-def spec_not_found(name: str) -> SpecError:
-    names = shipped_names()
-    stem = Path(name).name
-    stem = stem[:-len(".kpatch")] if stem.endswith(".kpatch") else stem
-    dm = did_you_mean(stem, names)
-    listing = f"shipped specs: {', '.join(names)}" if names else None
-    hint = " ".join(x for x in (dm, listing) if x) or None
-    return SpecError(f"spec '{_clip(name, 200)}' not found: no such file and no shipped spec of that name", hint=hint)
 
 
 def read_spec(name: str | Path, *, include_dirs: tuple[Path | str, ...] | list = ()) -> Spec:
@@ -648,8 +229,8 @@ def read_spec(name: str | Path, *, include_dirs: tuple[Path | str, ...] | list =
         if files.exists(str(name)):
             raise SpecError(f"'{files.show(name)}' is not a regular file (a FIFO, a device or a socket)")
         raise spec_not_found(str(name))
-    shown = _display_name(p, str(p))
-    text = _read_spec_text(p, None, shown=shown)
+    shown = display_name(p, str(p))
+    text = read_spec_text(p, None, shown=shown)
     real = os.path.realpath(p)
     return parse_spec(text, shown, base_dir=Path(real).parent, include_dirs=include_dirs, _key=real)
 

@@ -42,7 +42,7 @@ _DFA_CACHE_LIMIT = 2_000     # DFA states kept per matcher before the cache is d
 
 # A range body: two (possibly negative) integers; the digit runs are checked for length before
 # int() ever sees them (int() refuses strings over 4300 digits with a ValueError).
-_RANGE = re.compile(r"\s*(-?)(\d+)\s*\.\.\s*(-?)(\d+)\s*")
+RANGE = re.compile(r"\s*(-?)(\d+)\s*\.\.\s*(-?)(\d+)\s*")
 
 
 def _err(msg: str, span: Span | None, offset: int = 0, width: int = 1, hint: str | None = None):
@@ -139,7 +139,7 @@ class _Parser:
 
     def brace(self, inner: str, base: int, depth: int) -> tuple:
         width = len(inner) + 2
-        m = _RANGE.fullmatch(inner)
+        m = RANGE.fullmatch(inner)
         if m:
             for g in (2, 4):
                 if len(m.group(g)) > MAX_RANGE_DIGITS:
@@ -159,7 +159,7 @@ class _Parser:
         if ".." in inner and "," not in inner:
             raise _err(f"bad range {{{inner}}}", self.span, base - 1, width,
                        hint="a range is two integers, e.g. {0..11}")
-        parts = _split_top(inner)
+        parts = split_top(inner)
         if any(not p.strip() for p, _ in parts):
             raise _err("empty alternative in {...}", self.span, base - 1, width,
                        hint="write alternatives as {q_norm,k_norm}")
@@ -173,7 +173,7 @@ class _Parser:
                        base - 1, width, hint="split it into several rules or use a glob")
 
 
-def _split_top(inner: str) -> list[tuple[str, int]]:
+def split_top(inner: str) -> list[tuple[str, int]]:
     parts, depth, start = [], 0, 0
     for k, c in enumerate(inner):
         if c == "{":

@@ -1,4 +1,4 @@
-"""A tiny kernel for tests/test_launch.py (``@triton.jit`` needs its source in a file)."""
+"""A tiny kernel for tests/kernel_support/test_launch.py (``@triton.jit`` needs its source in a file)."""
 
 import triton
 import triton.language as tl

@@ -130,7 +130,7 @@ def build_model(variant: str, dtype: str, meta: bool = False):
 def accepted_sites(op, model, index, flags):
     """(site path, merged info, host module, host path) of every module ``op`` accepts, one per
     host, chosen the way the runtime does: the op's kinds, its ``host``, its ``check``."""
-    from patchdsl.ops.kinds import unwrap
+    from patchdsl.model.modules import unwrap
 
     out, hosts = [], set()
     for info in index:
@@ -301,7 +301,7 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
     from triton.compiler import ASTSource
     from triton.runtime.jit import KernelInterface
 
-    from patchdsl.index import build_index
+    from patchdsl.model.index import build_index
     from patchdsl.runtime.patch import kernel_getter
 
     assert os.environ.get("TRITON_INTERPRET") == "0", "run with TRITON_INTERPRET=0"

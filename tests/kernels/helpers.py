@@ -25,7 +25,7 @@ import os
 import torch
 
 from patchdsl.codegen import KernelKey, load_kernel
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -148,7 +148,7 @@ def assert_no_worse_than_module(names, ref, hf, got, dtype) -> None:
 def tiny_family(model_type: str, seed: int = 0):
     """A tiny random-weight model of any installed family, as the census builds it (fp32, CPU), with
     transformers' warnings and log lines about the tiny config silenced."""
-    from patchdsl.census import build, quiet, tiny_family_config
+    from patchdsl.model.tiny import build, quiet, tiny_family_config
 
     with quiet():
         return build(tiny_family_config(model_type), seed)

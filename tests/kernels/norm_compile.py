@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from patchdsl.codegen import KernelKey, render
-    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.model.info import ModuleInfo
     from patchdsl.ops.registry import get_op
 
     op_name, kind, cases, out = json.loads(sys.argv[1])

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.index import build_index
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.index import build_index
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.runtime import PatchError, patch_module
 
@@ -63,7 +63,7 @@ def test_forward_backward_vs_float64(dtype, offset, casting, rows, hidden):
     ref = _reference(x, r, w, dy, ds, eps, offset)
     assert y.dtype == x.dtype and s.dtype == x.dtype and y.shape == x.shape
     # the new residual is exactly the rounded sum, as HF computes it (bf16 casts round to nearest
-    # even on the GPU and, patched, under the interpreter: tests/test_bf16_rounding.py)
+    # even on the GPU and, patched, under the interpreter: tests/kernel_support/test_interpreter_bf16_rounding.py)
     assert torch.equal(s, x + r)
     for o, rf, what in zip((y, s, xi.grad, ri.grad, wi.grad), ref, ("normed", "residual", "dx", "dresidual", "dw")):
         assert_close(o, rf, dtype, what)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.ops.base import FlagTypeError, ModuleInfo
+from patchdsl.ops.base import FlagTypeError
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 from .helpers import ce_reference as reference, DEVICE, TORCH_DTYPES, TOL, assert_close, kernel_for, rel_err, sizes
@@ -298,7 +299,7 @@ CUDA_COMPILE = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from patchdsl.codegen import KernelKey, render
-    from patchdsl.ops.base import ModuleInfo
+    from patchdsl.model.info import ModuleInfo
     from patchdsl.ops.registry import get_op
 
     PT = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
@@ -356,7 +357,7 @@ def test_cuda_variants_compile_for_sm90(tmp_path):
 
 
 # ---------------------------------------------------------------- label values, as torch's cross_entropy
-# Every kernel that reads class labels (patchdsl/codegen/labels.py): each case must give what
+# Every kernel that reads class labels (patchdsl/kernel_support/labels.py): each case must give what
 # F.cross_entropy gives on the same logits: the same exception class, or the same value / NaN / inf.
 LABEL_VOCAB, LABEL_HIDDEN = 300, 32
 LABEL_KERNELS = {

@@ -49,7 +49,7 @@ def test_cuda_kernels_compile_for_sm90(tmp_path, variant, dtype):
 def test_every_op_has_a_site():
     """Each registered op accepts a module of some variant, with its default flags and with every
     flag variant the compile test tries (otherwise its kernels would silently go uncompiled)."""
-    from patchdsl.index import build_index
+    from patchdsl.model.index import build_index
     from patchdsl.ops.registry import ops
 
     models = {v: build_model(v, "bf16", meta=True) for v in VARIANTS}

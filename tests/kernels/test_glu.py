@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 from .helpers import DEVICE, TORCH_DTYPES, assert_close, kernel_for, rel_err, sizes
@@ -542,7 +542,7 @@ def test_patched_mlp_with_peft_lora():
 
 
 def test_swiglu_refuses_geglu_mlp_naming_it():
-    from patchdsl.index import build_index
+    from patchdsl.model.index import build_index
     from patchdsl.runtime import PatchError, patch_module
 
     mlp = tiny_mlp("gemma3")
@@ -611,7 +611,7 @@ class _DropoutMLP(torch.nn.Module):
 
 
 def test_dropout_in_forward_is_refused_even_in_eval_mode_and_probe_has_no_side_effects():
-    from patchdsl.index import build_index
+    from patchdsl.model.index import build_index
     from patchdsl.runtime import PatchError, patch_module
 
     op = get_op("fused_swiglu")

@@ -46,7 +46,7 @@ def test_seed_oss_mlp_dropout_is_reproduced_in_training(seed):
 def test_dropping_the_dropout_would_be_wrong():
     """The case that must fail: the MLP patched as if it had no output dropout differs in training mode."""
     from patchdsl.ops.swiglu import _NoDropout
-    from patchdsl.index import build_index
+    from patchdsl.model.index import build_index
     from patchdsl.ops.registry import get_op
 
     m = _seed_oss()
@@ -54,7 +54,7 @@ def test_dropping_the_dropout_would_be_wrong():
     info = build_index(m).get("model.layers.0.mlp")
     op = get_op("fused_swiglu")
     from patchdsl.codegen import load_kernel
-    from patchdsl.planner import plan
+    from patchdsl.planning.planner import plan
 
     p = plan("dtype fp32\nmodel.layers.0.mlp: SwiGLU -> fused_swiglu\n", m)
     kern = load_kernel(p.sites[0].keys[0])

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from patchdsl.ops.attention_forward import reference_rope
+from patchdsl.model.reference import reference_rope
 
 from .helpers import DEVICE, assert_close, kernel_for
 

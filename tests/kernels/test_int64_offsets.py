@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 from .helpers import DEVICE, ON_GPU, kernel_for

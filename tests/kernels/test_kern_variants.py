@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from patchdsl.codegen import KernelKey, load_kernel, render
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 from .helpers import DEVICE, TARGET, TOL, TORCH_DTYPES, assert_close, sizes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patchdsl.index import build_index
+from patchdsl.model.index import build_index
 from patchdsl.runtime import patch_module
 
 from .helpers import assert_no_worse_than_module, tiny_family

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.linear_cross_entropy import CHUNK_BUDGET
 from patchdsl.ops.registry import get_op
 
@@ -435,7 +435,7 @@ def test_fused_all_ignored_frozen_weight_and_no_grad():
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_fused_under_custom_ops_matches_eager(reduction):
     """The torch.library door (what torch.compile calls) gives the eager door's values."""
-    from patchdsl.codegen import custom_ops
+    from patchdsl.kernel_support import custom_ops
     n, hidden, n_vocab = 30, 32, 200
     h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=12)
     mod = kernels(n_vocab, hidden, "fp32", bias=True, mode="fused", reduction=reduction)
@@ -547,7 +547,7 @@ def test_unknown_tile_is_refused():
 @pytest.mark.parametrize("reduction", ["sum", "none"])
 def test_fused_custom_ops_pass_opcheck(reduction):
     """Schema, fake tensors and the autograd registration of both fused ops (the llama run of
-    tests/test_compile.py checks reduction=mean as a patched model calls them)."""
+    tests/training/test_compile.py checks reduction=mean as a patched model calls them)."""
     n, hidden, n_vocab = 12, 32, 96
     h, w, b, y, g = make(n, hidden, n_vocab, "fp32", True, seed=13)
     mod = kernels(n_vocab, hidden, "fp32", bias=True, mode="fused", reduction=reduction)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.codegen import custom_ops
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.kernel_support import custom_ops
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 from .helpers import (DEVICE, ON_GPU, TORCH_DTYPES, assert_close, assert_kernel_globals_constexpr, gjsd_per_token,
@@ -174,7 +174,7 @@ def test_shape_errors_say_what_was_expected(what, edit, message):
 def test_beta_outside_unit_interval_is_refused(beta):
     """A spec error located at the flag, saying the range."""
     import patchdsl
-    from patchdsl.check import check_spec
+    from patchdsl.planning.check import check_spec
 
     with pytest.raises(Exception, match=r"1:37: error: flag 'beta' must be (>= 0.0|<= 1.0)") as e:
         check_spec(patchdsl.load_spec(f"lm_head: Linear -> fused_linear_jsd(beta={beta})\n"))

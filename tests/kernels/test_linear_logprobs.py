@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 
 from .helpers import DEVICE, ON_GPU, TORCH_DTYPES, assert_close, kernel_for, sizes
@@ -153,7 +153,7 @@ def test_custom_ops_opcheck_trace_and_match_eager():
     gives the eager path's values and gradients."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from patchdsl.codegen import custom_ops
+    from patchdsl.kernel_support import custom_ops
 
     h, w, b, y, g = make((2, 5), 32, 90, "fp32", True, seed=11, ignore_every=3)
     mod = kernels(90, 32, "fp32", bias=True, chunk=4)

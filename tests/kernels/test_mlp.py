@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import patchdsl
-from patchdsl.ops.kinds import MLP_ACTIVATIONS, mlp_activation_reference, mlp_probe
+from patchdsl.model.kinds.mlp import MLP_ACTIVATIONS, mlp_probe
+from patchdsl.model.reference import mlp_activation_reference
 from patchdsl.syntax.errors import SpecError
 
 from .helpers import DEVICE, TORCH_DTYPES, assert_close, assert_kernel_globals_constexpr, kernel_for, sizes
@@ -325,7 +326,7 @@ def test_a_gated_mlp_is_not_a_plain_mlp():
 
 # ------------------------------------------------------------------ real families (tiny configs)
 def _family(model_type: str):
-    from patchdsl.census import build, tiny_family_config
+    from patchdsl.model.tiny import build, tiny_family_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

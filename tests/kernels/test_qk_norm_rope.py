@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.ops.attention_forward import reference_rmsnorm, reference_rope
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.reference import reference_rmsnorm, reference_rope
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.runtime import PatchError, patch_module
 

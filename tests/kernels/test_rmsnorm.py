@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.index import build_index
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.index import build_index
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.runtime import PatchError, patch_module
 
@@ -40,7 +40,7 @@ def _inputs(rows, hidden, dtype, seed=0, scale=1.0):
 
 def to_bf16_as_triton(t):
     """fp32 -> bf16 the way the kernel's casts round: to nearest even, on the GPU and (patchdsl's
-    fix of its truncation, tests/test_bf16_rounding.py) under the interpreter."""
+    fix of its truncation, tests/kernel_support/test_interpreter_bf16_rounding.py) under the interpreter."""
     return t.float().to(torch.bfloat16)
 
 

@@ -3,7 +3,7 @@
 Table-driven over the two cast orders (Qwen3-Next's llama order, Kimi Linear's all-fp32 order), both gate
 activations, masked and unmasked rows, fp32 / bf16, on fresh random inputs: forward, dx, dgate and dW.
 The cases that must fail: a kernel built for the other activation, a gate of another shape (and, in
-tests/test_mutations.py, kernels with a term of the backward dropped).
+tests/runtime/test_mutations.py, kernels with a term of the backward dropped).
 """
 
 from __future__ import annotations

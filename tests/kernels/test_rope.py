@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.index import build_index
-from patchdsl.ops.attention_forward import analyse, reference_rope
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.index import build_index
+from patchdsl.model.forward.attention import analyse
+from patchdsl.model.reference import reference_rope
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
 from patchdsl.runtime import PatchError, patch_module
 

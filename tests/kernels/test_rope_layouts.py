@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from patchdsl.codegen import KernelKey, render
-from patchdsl.ops.base import ModuleInfo
+from patchdsl.model.info import ModuleInfo
 from patchdsl.ops.registry import get_op
-from patchdsl.ops.rotary import LAYOUTS, reference_rotary, rope_function_layout, rotate
+from patchdsl.model.forward.rotary import LAYOUTS, reference_rotary, rope_function_layout, rotate
 
 from .helpers import rope_fwd_bwd as run
 from .helpers import DEVICE, TORCH_DTYPES, assert_close, kernel_for, sizes

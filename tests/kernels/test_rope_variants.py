@@ -18,13 +18,15 @@ import warnings
 import pytest
 import torch
 
-from patchdsl.ops.attention_forward import analyse, build_forward, reference_rope
+from patchdsl.model.forward.attention import analyse
+from patchdsl.ops.attention_forward import build_forward
+from patchdsl.model.reference import reference_rope
 from patchdsl.parity import verify
-from patchdsl.planner import plan
+from patchdsl.planning.planner import plan
 
 
 def _cfg(model_type):
-    from patchdsl.census import tiny_family_config
+    from patchdsl.model.tiny import tiny_family_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -36,7 +38,7 @@ def _cfg(model_type):
 
 
 def _model(model_type, seed=0):
-    from patchdsl.census import build
+    from patchdsl.model.tiny import build
 
     cfg = _cfg(model_type)
     if model_type == "smollm3":
@@ -141,6 +143,6 @@ def test_layouts_the_rebuilt_forward_refuses_run_the_models_own_forward(model_ty
 
 
 def build_index_facts(attn):
-    from patchdsl.index import build_index
+    from patchdsl.model.index import build_index
 
     return dict(build_index(attn).infos[""].kinds["Attention"])

@@ -1,7 +1,7 @@
 """fused_router (issue 24): the router kernel against a float64 reference, and the op on the router
 modules of the MoE families against the modules themselves.
 
-The reference (:func:`patchdsl.ops.kinds.router_reference`) takes the same (already rounded) logits in
+The reference (:func:`patchdsl.model.reference.router_reference`) takes the same (already rounded) logits in
 float64: softmax over the experts, the top-k by a stable descending sort (exact ties to the lower index,
 the kernel's rule), renormalised over the k or not; its gradient is float64 autograd of that.  Cases
 cover masked expert tiles (6 experts), a short last row tile, top-1, one token, no tokens, every
@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from patchdsl.ops.kinds import router_reference
+from patchdsl.model.reference import router_reference
 
 from .helpers import DEVICE, ON_GPU, TARGET, TORCH_DTYPES, assert_close, kernel_for
 
@@ -264,7 +264,7 @@ def test_a_router_changed_after_planning_is_refused_at_apply():
 
 
 def test_a_module_that_is_not_a_router_is_not_one():
-    from patchdsl.ops.kinds import router
+    from patchdsl.model.kinds.moe import router
 
     class Scores(torch.nn.Module):           # a weight and a top_k, but it returns the logits only
         def __init__(self):
@@ -305,7 +305,7 @@ def test_a_router_of_unknown_routing_is_a_router_refused_with_what_it_holds():
     """Three outputs and a top_k, but weights of no probed formula: a Router of scoring "unknown" whose
     rule is refused at plan time naming the module, what it holds and what fused_router computes."""
     from patchdsl import plan
-    from patchdsl.ops.kinds import router
+    from patchdsl.model.kinds.moe import router
     from patchdsl.syntax.errors import SpecError
 
     f = router(_SigmoidOfTopLogits())

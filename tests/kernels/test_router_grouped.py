@@ -41,9 +41,9 @@ import torch
 
 import patchdsl.runtime.patch as runtime_patch
 from patchdsl.codegen import render
-from patchdsl.ops.kinds import router_reference
+from patchdsl.model.reference import router_reference
 
-from ..test_mutations import Edit, apply_edits
+from ..runtime.test_mutations import Edit, apply_edits
 from .helpers import DEVICE, TARGET, TORCH_DTYPES, assert_close, kernel_for
 
 OP = "fused_router"
@@ -295,7 +295,7 @@ def check_family_router(family, dtype, seed=0):
     (token, expert)) and the gradients of its input and parameters (through the weights and the logits)
     against a float64 run of transformers' own forward code on the same inputs and parameters."""
     from patchdsl import apply, plan
-    from patchdsl.ops.kinds import router as recognise
+    from patchdsl.model.kinds.moe import router as recognise
 
     dt = TORCH_DTYPES[dtype]
     model, gate, g = _family_router(family, dt, seed)

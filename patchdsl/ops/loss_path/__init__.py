@@ -22,7 +22,7 @@ with ``ignore_index`` padding at the end (or ``shift_labels`` used as given), fp
 ``sum / num_items_in_batch`` when that is given, else the mean over labels that are not ignored
 (all ignored: NaN, as HF; ``num_items_in_batch=0``: inf/NaN, as HF), labels of a dtype torch's
 cross_entropy refuses are refused, and a label out of bounds raises IndexError on the CPU and
-trips a device-side assert on the GPU (``patchdsl/codegen/labels.py``).  One documented
+trips a device-side assert on the GPU (``patchdsl/kernel_support/labels.py``).  One documented
 difference: a call with ``shift_labels`` but no ``labels`` gets a loss (HF computes one only when
 ``labels`` is given).
 
@@ -58,17 +58,11 @@ against lm_head's outputs, and the softcap / scaling there) and pass its body ``
 
 from __future__ import annotations
 
-# one module per concern (planning -> source -> sharding -> labels_loss -> logprobs / jsd); the names
-# below are the package's API, imported as patchdsl.ops.loss_path.<name> by the ops
+# one module per concern (planning -> sharding -> labels_loss -> logprobs / jsd; what the host's forward
+# does is read by patchdsl.model.forward.causal_lm); the names below are the package's API, imported as
+# patchdsl.ops.loss_path.<name> by the ops
 from .planning import (  # noqa: F401
-    causal_lm_host, head_module_reason, hidden_of, lm_head_misfit, resolve_multiplier, resolve_scaling, resolve_softcap,
-    transforms_logits, vocab_of,
-)
-from .source import (  # noqa: F401
-    CONFIG_ATTRS, ForwardShape, KNOWN_SCALARS, KNOWN_SOFTCAPS, MOE_CONFIG_ATTRS, MOE_SELF_ATTRS,
-    SELF_ATTRS, SUPPORTED_DTYPES, _SHAPES, body_path, body_roots, forward_shape, head_transform, host_body, host_reason,
-    looks_causal_lm, loss_function_settable,
-    read_router_loss, require_host, router_loss,
+    causal_lm_host, head_module_reason, hidden_of, lm_head_misfit, vocab_of,
 )
 from .sharding import (  # noqa: F401
     call_as_forward, head_gather, unsharded_reason,

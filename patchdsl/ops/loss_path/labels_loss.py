@@ -7,9 +7,12 @@ from __future__ import annotations
 import types
 from typing import Any, Callable, Mapping
 
-from ..common import signature_binder, unwrap
+from ..common import signature_binder
+from ...model.modules import unwrap
 from .sharding import call_as_forward, head_gather, unsharded_reason
-from .source import ForwardShape, _read_value, forward_shape, host_body, router_loss
+from ...model.forward.causal_lm import ForwardShape, forward_shape, host_body
+from ...model.forward.router_loss import router_loss
+from ...model.forward.values import read_value
 
 
 # --------------------------------------------------------------------------- runtime helpers
@@ -104,13 +107,13 @@ def head_logits(host: Any, hidden: Any, shape: ForwardShape) -> Any:
 
     for where, kind, source in shape.steps:
         if where == "hidden":
-            v = _read_value(host, source)
+            v = read_value(host, source)
             hidden = hidden * v if kind == "mul" else hidden / v
     logits = host.lm_head(hidden)
     for where, kind, source in shape.steps:
         if where != "logits":
             continue
-        v = _read_value(host, source)
+        v = read_value(host, source)
         if kind == "softcap":
             if v is not None:
                 logits = torch.tanh(logits / v) * v

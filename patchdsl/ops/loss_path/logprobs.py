@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ..common import signature_binder, unwrap
+from ..common import signature_binder
+from ...model.modules import unwrap
 from .labels_loss import _body_fields, _run_body, add_router_loss, original_forward, resolve_router_flag, slice_hidden
-from .source import forward_shape
+from ...model.forward.causal_lm import forward_shape
 
 # --------------------------------------------------------------------------- per-token log-probs
 _FUSED_OUTPUT: list = []

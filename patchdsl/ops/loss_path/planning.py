@@ -1,12 +1,12 @@
 """The lm_head site and its causal LM at plan time: which module is the host, whether the head is
-a plain linear layer the fused losses can read, the vocabulary and hidden sizes, and the values of the
-scalings the host's forward applies (read by :mod:`.source`)."""
+a plain linear layer the fused losses can read, the vocabulary and hidden sizes (the scalings the
+host's forward applies: :mod:`patchdsl.model.forward.logits`)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
-from ..base import ModuleInfo
+from ...model.info import ModuleInfo
 
 # --------------------------------------------------------------------------- planning time
 def causal_lm_host(info: ModuleInfo, index: Any) -> str:
@@ -70,43 +70,3 @@ def hidden_of(info: ModuleInfo) -> int:
     if f:
         return int(f["hidden"])
     return int(info.facts("Linear")["in_features"])
-
-
-def resolve_scaling(facts: Mapping[str, Any]) -> float | None:
-    """The divisor of the logits the forward applies (Granite's logits_scaling); None when absent or 1."""
-    v = facts.get("logits_scaling") if facts else None
-    if v is None or float(v) == 1.0:
-        return None
-    return float(v)
-
-
-def resolve_multiplier(facts: Mapping[str, Any]) -> float | None:
-    """The multiplier of the logits the forward applies (Cohere's logit_scale, Falcon-H1's
-    lm_head_multiplier); None when absent or 1."""
-    v = facts.get("logit_multiplier") if facts else None
-    if v is None or float(v) == 1.0:
-        return None
-    return float(v)
-
-
-def transforms_logits(facts: Mapping[str, Any]) -> str | None:
-    """What the model's forward does to its logits per the CausalLM facts (for the refusals of ops
-    that take the logits as they are), or None when nothing."""
-    parts = []
-    if facts and facts.get("softcap"):
-        parts.append(f"softcapping {facts['softcap']:g}")
-    if resolve_multiplier(facts):
-        parts.append(f"a multiplier {facts['logit_multiplier']:g}")
-    if resolve_scaling(facts):
-        parts.append(f"a divisor {facts['logits_scaling']:g}")
-    return " and ".join(parts) or None
-
-
-def resolve_softcap(flags: Mapping[str, Any], facts: Mapping[str, Any]) -> float | None:
-    """softcap flag: auto = the config's final_logit_softcapping, none = off, a number = that."""
-    v = flags.get("softcap", "auto")
-    if v == "auto":
-        v = facts.get("softcap") if facts else None
-    if v is None or v == 0:
-        return None
-    return float(v)
