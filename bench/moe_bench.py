@@ -65,8 +65,7 @@ def _experts_module(dev, dt):
 
 def profile_kernels(fn, x0, idx, w0, dy, params, reps=3) -> dict:
     """GPU time per kernel name (ms per fwd+bwd) of ``fn``, from torch.profiler."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from patchdsl_tools.bench.timing import kernel_profile
 
     x = x0.detach().clone().requires_grad_(True)
     w = w0.detach().clone().requires_grad_(True)
@@ -76,20 +75,7 @@ def profile_kernels(fn, x0, idx, w0, dy, params, reps=3) -> dict:
             p.grad = None
         fn(x, idx, w).backward(dy)
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = getattr(e, "self_cuda_time_total", 0.0)
-        if us:
-            out[e.key[:60]] = round(us / reps / 1e3, 3)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    return kernel_profile(step, reps, width=60, most=1000)
 
 
 def run_ops(budget: float) -> list[dict]:

@@ -18,7 +18,7 @@ Variants (one process each; a process times every shape it can run):
             with the import error otherwise)
   floor     the same FLOPs as dense torch.mm (2 GEMMs forward, 4 backward over T * top_k rows)
 
-Timing: CUDA events around the whole forward + backward, warm-up first, median of 20.  Every number is
+Timing: CUDA events around the whole forward + backward, warm-up first, median of 20 (patchdsl_tools.bench.timing).  Every number is
 a ratio against the default measured in the same run.  Correctness at each shape: the patchdsl block's
 output and input gradient against the default's (relative Frobenius, bf16 both) on 2,048 tokens.
 
@@ -130,21 +130,11 @@ def setup(variant: str, name: str, m, target: str) -> str:
 
 
 def time_ms(step, reps: int = 20) -> float:
-    import torch
+    """Median ms of ``step`` over ``reps`` calls, CUDA events around each (after a warm-up call)."""
+    from patchdsl_tools.bench.timing import time_events
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        step()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2]
+    step()
+    return time_events([step], min_reps=reps, max_reps=reps).ms
 
 
 def floor_ms(name: str, tokens: int, dev: str, dt) -> float:
@@ -159,24 +149,6 @@ def floor_ms(name: str, tokens: int, dev: str, dt) -> float:
     h, wd = torch.randn(S, I, device=dev, dtype=dt), torch.randn(I, H, device=dev, dtype=dt)
     dy, dg = torch.randn(S, H, device=dev, dtype=dt), torch.randn(S, 2 * I, device=dev, dtype=dt)
     return time_ms(lambda: (a @ wgu, h @ wd, dy @ wd.t(), dy.t() @ h, dg @ wgu.t(), a.t() @ dg))
-
-
-def profile_kernels(step, reps: int = 3) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-        if us:     # kernels whose names share the first 70 characters (CUTLASS's) are summed
-            out[e.key[:70]] = out.get(e.key[:70], 0.0) + us / reps / 1e3
-    return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])[:14]}
 
 
 def worker(variant: str, cases: list, cpu: bool) -> None:
@@ -232,7 +204,9 @@ def worker(variant: str, cases: list, cpu: bool) -> None:
                         torch.save({"out": out.detach().float().cpu(), "dx": xs.grad.float().cpu()},
                                    os.path.join(os.environ["MOE_BLOCK_TMP"], f"{variant}_{name}.pt"))
                         if variant == "patchdsl":
-                            row["kernels_ms"] = profile_kernels(step)
+                            from patchdsl_tools.bench.timing import kernel_profile
+
+                            row["kernels_ms"] = kernel_profile(step)
         except Exception as e:          # noqa: BLE001  (a variant that cannot run is a row that says why)
             row["skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
             if not cpu and isinstance(e, torch.cuda.OutOfMemoryError):

@@ -276,3 +276,24 @@ def measure_ceilings(device: Any, small: bool = False) -> dict[str, Any]:
         out["matmul_bf16"] = {"m": m, **t.to_json(), "tflops": 2 * m ** 3 / (t.ms * 1e-3) / 1e12,
                               "note": "fp32 on the CPU"}
     return out
+
+
+def kernel_profile(step: Callable[[], Any], reps: int = 3, width: int = 70, most: int = 14) -> dict[str, float]:
+    """GPU milliseconds per call of ``step`` by kernel name (torch.profiler, ``reps`` calls after one
+    warm-up), the ``most`` largest; names cut to ``width`` characters, kernels that share a cut name
+    (CUTLASS's) summed."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        if us:
+            out[e.key[:width]] = out.get(e.key[:width], 0.0) + us / reps / 1e3
+    return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])[:most]}
