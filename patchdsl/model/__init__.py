@@ -16,8 +16,8 @@ from .loading import (
     parse_dtype,
     shipped_config_path,
     shipped_models,
-    tiny_config,
 )
+from .shrink import tiny_config
 
 __all__ = [
     "CONFIGS_DIR",

@@ -1,6 +1,6 @@
 """Shrinking a model's configuration to a tiny one when its sizes go by other names or it is a
-composite of towers (vision-language): used by ``load_model(..., tiny=True)`` and by the coverage
-census (:mod:`patchdsl_tools.census`)."""
+composite of towers (vision-language), and :func:`tiny_config`, any family's config shrunk: used by
+``load_model(..., tiny=True)`` and by the coverage census (:mod:`patchdsl_tools.census`)."""
 
 from __future__ import annotations
 
@@ -107,3 +107,231 @@ def _tiny_tower(c, text):
             d[k] = [0]
     d.pop("head_dim", None) if isinstance(d.get("head_dim"), int) else None
     return type(c).from_dict(d)
+
+
+# ---- tiny_config: any family's config shrunk for CPU tests and demos (was in loading.py) -------------
+# keys of a config that are not per-layer lists even when they are lists
+_NOT_PER_LAYER = {"architectures", "bos_token_id", "eos_token_id", "pad_token_id", "mlp_only_layers"}
+
+
+def _round_to(x: float, m: int, lo: int) -> int:
+    return max(lo, int(round(x / m)) * m)
+
+
+def _resample(values: list, n: int) -> list:
+    if len(values) == n or not values:
+        return list(values)
+    return [values[min(len(values) - 1, int(i * len(values) / n))] for i in range(n)]
+
+
+def tiny_config(config, *, layers: int = 2, vocab: int = 512):
+    """A shrunk copy of ``config`` for CPU tests and demos.
+
+    Keeps the family (same config class and model class) and every structural feature: GQA/MQA/MHA,
+    head_dim decoupled from hidden/heads (Qwen3, Gemma3) or not, q/k norms, partial rotary, rope
+    scaling type, tied embeddings, softcapping, the mix of sliding and full attention layers (a
+    sliding window of 8 so that short sequences exercise it), MLP/hidden ratio. Sizes become
+    hidden 64-160, head_dim 16 or 32, ``layers`` layers (more when the layer pattern has more kinds)
+    and a ``vocab`` vocabulary; special token ids beyond it are moved inside it.  A config already
+    smaller keeps its own layer count and vocabulary (tiny never grows a user's model).
+    """
+    if getattr(config, "text_config", None) is not None and hasattr(config.text_config, "to_dict"):
+        # a vision-language model: its language tower shrunk as above, the vision tower by its common
+        # size names, multimodal RoPE sections with the head size (patchdsl.model.shrink)
+        return shrink_composite(config, lambda c: tiny_config(c, layers=layers, vocab=vocab))
+    d = config.to_dict()
+    H0 = int(d["num_attention_heads"])
+    KV0 = int(d.get("num_key_value_heads") or H0)
+    hidden0 = int(d["hidden_size"])
+    L0 = int(d["num_hidden_layers"])
+    hd0 = d.get("head_dim") or hidden0 // H0
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    prf = d.get("partial_rotary_factor") or (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
+
+    # heads: keep MHA / MQA / GQA (and a group ratio up to 4)
+    if KV0 >= H0:
+        H, KV = 4, 4
+    elif KV0 == 1:
+        H, KV = min(H0, 4), 1
+    else:
+        KV = 2
+        H = 2 * max(2, min(H0 // KV0, 4))
+    # head_dim: coupled (hidden == heads * head_dim) or decoupled, as in the original
+    decoupled = hd0 * H0 != hidden0
+    hd = 32 if decoupled else 16
+    if prf:
+        hd = next((c for c in (hd, 32, 64) if abs(c * prf - round(c * prf)) < 1e-9 and round(c * prf) % 2 == 0), hd)
+    q = H * hd
+    if not decoupled:
+        hidden = q
+    elif hd0 * H0 > hidden0:
+        hidden = q // 2        # e.g. Qwen3: q projection wider than the residual stream
+    else:
+        hidden = q + 32        # e.g. Gemma3: narrower
+    d.update(num_attention_heads=H, num_key_value_heads=KV, hidden_size=hidden)
+    if d.get("head_dim") is not None or decoupled:
+        d["head_dim"] = hd
+    if d.get("query_pre_attn_scalar"):
+        qs = d["query_pre_attn_scalar"] * hd / hd0
+        d["query_pre_attn_scalar"] = round(qs) if isinstance(d["query_pre_attn_scalar"], int) else qs
+    for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if isinstance(d.get(k), int) and d[k] > 0:
+            d[k] = _round_to(d[k] * hidden / hidden0, 16, 16)
+
+    # layers: keep one of each layer kind (sliding/full/...), in order of first appearance
+    types = d.get("layer_types")
+    idx = sorted(types.index(t) for t in dict.fromkeys(types)) if isinstance(types, list) and len(types) == L0 else []
+    n = max(min(layers, L0), len(idx), 1)
+    nxt = 0
+    while len(idx) < n:
+        if nxt not in idx:
+            idx.append(nxt)
+        nxt += 1
+    idx.sort()
+    for k, v in list(d.items()):         # per-layer lists (layer_types, no_rope_layers, ...)
+        if k in _NOT_PER_LAYER:
+            continue
+        if isinstance(v, list) and len(v) == L0 and L0 > 1 and all(not isinstance(x, (list, dict)) for x in v):
+            d[k] = [v[min(i, L0 - 1)] for i in idx]
+    d["num_hidden_layers"] = n
+    if isinstance(d.get("max_window_layers"), int):
+        d["max_window_layers"] = min(n, round(d["max_window_layers"] * n / L0))
+    if d.get("sliding_window"):
+        d["sliding_window"] = min(int(d["sliding_window"]), 8)
+    _tiny_mamba(d, hidden, hidden0)
+    _tiny_moe_defaults(d)
+    grouped = _tiny_groups(d)
+    for k in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if isinstance(d.get(k), int) and d[k] > 4 and not grouped:
+            d[k] = 4
+    if isinstance(d.get("num_experts_per_tok"), int):
+        d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2)
+    if isinstance(d.get("first_k_dense_replace"), int) and d["first_k_dense_replace"] >= n:
+        # DeepSeek-V2/V3, dots1: the first k layers dense, the rest MoE; keep one of each (as layer kinds)
+        d["first_k_dense_replace"] = n - 1
+    _tiny_mla(d)
+
+    # rope: long-rope factor lists follow the rotary dimension
+    rot_half = int(hd * (prf or 1.0)) // 2
+
+    def fix_rope(r):
+        if isinstance(r, dict):
+            for k in ("short_factor", "long_factor"):
+                if isinstance(r.get(k), list):
+                    r[k] = _resample(r[k], rot_half)
+            for v in r.values():
+                if isinstance(v, dict):
+                    fix_rope(v)
+    for k in ("rope_parameters", "rope_scaling"):
+        fix_rope(d.get(k))
+
+    # vocabulary and the special ids in it
+    vocab = min(vocab, int(d.get("vocab_size") or vocab))
+    d["vocab_size"] = vocab
+    big = sorted({i for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                  for i in (d.get(k) if isinstance(d.get(k), list) else [d.get(k)])
+                  if isinstance(i, int) and i >= vocab})
+    remap = {old: vocab - 1 - j for j, old in enumerate(big)}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = d.get(k)
+        if isinstance(v, list):
+            d[k] = [remap.get(i, i) for i in v]
+        elif isinstance(v, int):
+            d[k] = remap.get(v, v)
+    d.pop("transformers_version", None)
+    new = type(config).from_dict(d)
+    new._name_or_path = f"tiny:{getattr(config, '_name_or_path', '') or d.get('model_type')}"
+    return new
+
+
+# MoE sizes a family's default config leaves None though its modelling code needs them (transformers 5.x):
+# the released checkpoint's values (then shrunk as every MoE config is).  DeepSeek-V2 / V2-Lite route 6
+# experts per token; dots.llm1 has 128 routed experts, 6 per token, 2 shared, the first layer dense.
+_MOE_DEFAULTS = {
+    "deepseek_v2": {"num_experts_per_tok": 6},
+    "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1},
+}
+
+
+def _tiny_moe_defaults(d: dict) -> None:
+    fills = _MOE_DEFAULTS.get(d.get("model_type"), {})
+    no_experts = all(d.get(k) is None for k in ("n_routed_experts", "num_local_experts", "num_experts"))
+    for k, v in fills.items():
+        if d.get(k) is None or (k == "first_k_dense_replace" and no_experts):
+            d[k] = v
+            if k == "n_routed_experts":          # its standard names too (the census maps attribute_map's)
+                for alias in ("num_local_experts", "num_experts"):
+                    if alias in d and d[alias] is None:
+                        d[alias] = v
+
+
+def _tiny_groups(d: dict) -> bool:
+    """A grouped router (DeepSeek-V2's group-limited greedy, DeepSeek-V3 / GLM-4.5's grouped top-k:
+    ``n_group`` > 1) shrunk with its groups: 8 experts in at most 4 groups of 2 (the top-2 group score
+    needs 2 per group), as many groups kept in proportion (at least 1, fewer than all when the original
+    drops some), top-k within the kept experts.  True when it did."""
+    E = next((d[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if isinstance(d.get(k), int)), None)
+    ng, tg = d.get("n_group"), d.get("topk_group")
+    if not (isinstance(E, int) and isinstance(ng, int) and isinstance(tg, int) and ng > 1 and E % ng == 0):
+        return False
+    ng2 = min(ng, 4)
+    tg2 = ng2 if tg >= ng else max(1, min(ng2 - 1, round(tg * ng2 / ng)))
+    E2 = 2 * ng2
+    for k in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if isinstance(d.get(k), int):
+            d[k] = E2
+    d.update(n_group=ng2, topk_group=tg2)
+    if isinstance(d.get("num_experts_per_tok"), int):
+        d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2, tg2 * (E2 // ng2))
+    return True
+
+
+def _tiny_mla(d: dict) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``, ``qk_rope_head_dim``): its ranks and
+    head sizes shrunk together, the rotary head size its ``head_dim`` (transformers sets it so)."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if (not isinstance(d.get("kv_lora_rank"), int) or not isinstance(d.get("qk_rope_head_dim"), int)
+            or d["qk_rope_head_dim"] <= 0 or (isinstance(rope, dict) and rope.get("mrope_section"))):
+        return       # no MLA, a NoPE one (GLM-5's DSA), or multimodal RoPE sections sized by the shrink elsewhere
+    prf = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    hd = round(16 / prf) if isinstance(prf, (int, float)) and 0 < prf < 1 else 16     # Mistral 4: head_dim x prf rotates
+    d.update(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, head_dim=hd)
+    if isinstance(d.get("q_lora_rank"), int):
+        d["q_lora_rank"] = 48
+
+
+def _tiny_mamba(d: dict, hidden: int, hidden0: int) -> None:
+    """The Mamba-2 mixer of a hybrid family (Bamba, Falcon-H1, GraniteMoeHybrid: ``mamba_n_heads``,
+    ``mamba_d_head``, ``mamba_d_state``, ``mamba_chunk_size``, Falcon-H1's ``mamba_d_ssm``) shrunk as the
+    attention is: its default sizes stay otherwise (128 heads, a 256-wide state, chunks of 256), and
+    transformers' reference scan (no ``mamba_ssm`` on a CPU) holds batch x chunk^2 x heads x state
+    values, 17 GB at batch 2 in transformers 5.17.  Keeps the families' own checks: heads divide the
+    mixer width (``mamba_d_ssm`` or expand x hidden) into ``mamba_d_head``, groups divide heads."""
+    if not (isinstance(d.get("mamba_n_heads"), int) and isinstance(d.get("mamba_d_state"), int)):
+        return
+    if isinstance(d.get("mamba_d_ssm"), int):
+        d["mamba_d_ssm"] = _round_to(d["mamba_d_ssm"] * hidden / hidden0, 16, 16)
+        width = d["mamba_d_ssm"]
+    else:
+        width = int(d.get("mamba_expand") or 2) * hidden
+    groups = min(int(d.get("mamba_n_groups") or 1), 2)
+    heads = next(h for h in (8, 4, 2, 1) if width % h == 0 and h % groups == 0)
+    d.update(mamba_n_heads=heads, mamba_d_head=width // heads, mamba_n_groups=groups,
+             mamba_d_state=min(d["mamba_d_state"], 16))
+    if isinstance(d.get("mamba_chunk_size"), int):
+        d["mamba_chunk_size"] = min(d["mamba_chunk_size"], 16)
+
+
+def _describe_tiny(cfg) -> str:
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg     # a VLM: its language tower
+    return (f"tiny {cfg.model_type} (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
+            f"{cfg.num_attention_heads}/{getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} heads, "
+            f"vocab {cfg.vocab_size})")
+
+
+def _describe_sizes(cfg) -> str:
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return f"hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}"
+
+
+# ---------------------------------------------------------------- loading

@@ -29,7 +29,7 @@ def tiny_family_config(model_type: str):
     """The family's default config, shrunk (raises when the family has no config that shrinks)."""
     from transformers import AutoConfig
 
-    from .loading import tiny_config
+    from .shrink import tiny_config
 
     cfg = AutoConfig.for_model(model_type)
     if getattr(cfg, "text_config", None) is not None and hasattr(cfg.text_config, "to_dict"):

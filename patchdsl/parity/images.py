@@ -275,7 +275,7 @@ def image_batch_check(config) -> tuple[bool | None, str]:
     import copy
     import warnings
 
-    from ..model.loading import tiny_config
+    from ..model.shrink import tiny_config
 
     with quiet():
         try:

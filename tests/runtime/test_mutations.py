@@ -111,7 +111,7 @@ def tiny_mixtral():
 def tiny_deepseek_v3():
     """DeepSeek-V3 (issue 37): the sigmoid grouped top-k router, 8 experts in 4 groups, 2 kept, top 3, with a
     random score-correction bias and router weight (they initialise to zero and near zero)."""
-    from .moe_families import tiny_moe_model
+    from ..moe_families import tiny_moe_model
 
     m = tiny_moe_model("deepseek_v3", n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3)
     g = torch.Generator().manual_seed(4)

@@ -10,7 +10,7 @@ no image batch runs is run on text alone; its vision modules are left out with t
     patchdsl census ...                            # the same
 
 Per family: a tiny config (the family's default config shrunk by
-:func:`patchdsl.model.loading.tiny_config`: 2 layers, hidden 64-160, vocabulary 512), the model
+:func:`patchdsl.model.shrink.tiny_config`: 2 layers, hidden 64-160, vocabulary 512), the model
 built in fp32 on the CPU with random weights, :func:`patchdsl.planning.suggestion.suggest` (which plans every
 rule it keeps; modules that one forward of the model does not call are left out, as verify could not
 judge them), and :func:`patchdsl.verify` of the suggestion in fp32 (batch 1 x 8 tokens).  A
