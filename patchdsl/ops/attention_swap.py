@@ -27,6 +27,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..model.forward.attention import read_once
 from ..model.forward.rotary import FUSED_QKV_NAMES, ROPE_FN, fused_kv_heads, reference_rotary
 
 SWAP_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -48,14 +49,7 @@ class RopeSwap:
 
 
 def analyse_swap(cls: type) -> "RopeSwap | str":
-    hit = _swap_cache.get(cls)
-    if hit is None:
-        try:
-            hit = _analyse_swap(cls)
-        except Exception as e:  # noqa: BLE001 - a surprise is a refusal, never a crash
-            hit = f"could not read {cls.__name__}.forward ({type(e).__name__}: {e})"
-        _swap_cache[cls] = hit
-    return hit
+    return read_once(_swap_cache, cls, _analyse_swap, "read")
 
 
 def _analyse_swap(cls: type) -> "RopeSwap | str":

@@ -81,16 +81,23 @@ class _ToNamespace(ast.NodeTransformer):
         return node
 
 
-def analyse(cls: type) -> "AttentionAnalysis | str":
-    """Analyse ``cls.forward``; return an :class:`AttentionAnalysis` or a one-line refusal reason."""
-    hit = _analysis_cache.get(cls)
+def read_once(cache: dict, cls: type, read: Callable, verb: str):
+    """``read(cls)``, once per class (``cache``): what a reading of ``cls.forward`` gives, or, for any
+    exception while reading, the one-line refusal "could not <verb> <cls>.forward (...)" -- never a
+    crash.  Shared by the attention analysis here and the RoPE swap's reading (ops.attention_swap)."""
+    hit = cache.get(cls)
     if hit is None:
         try:
-            hit = _analyse(cls)
+            hit = read(cls)
         except Exception as e:  # noqa: BLE001 - any surprise is a refusal, never a crash
-            hit = f"could not analyse {cls.__name__}.forward ({type(e).__name__}: {e})"
-        _analysis_cache[cls] = hit
+            hit = f"could not {verb} {cls.__name__}.forward ({type(e).__name__}: {e})"
+        cache[cls] = hit
     return hit
+
+
+def analyse(cls: type) -> "AttentionAnalysis | str":
+    """Analyse ``cls.forward``; return an :class:`AttentionAnalysis` or a one-line refusal reason."""
+    return read_once(_analysis_cache, cls, _analyse, "analyse")
 
 
 def _analyse(cls: type) -> "AttentionAnalysis | str":
