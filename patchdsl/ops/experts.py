@@ -29,9 +29,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, Op
+from .base import DTYPE_FLOORS, FlagSpec, Op
+from .fp8_linear import UNIT_ROUNDOFF
 from ..model.info import ModuleInfo
 from .registry import register
+
+# fp8 recipes of the expert GEMMs: fp8_linear's names; tensorwise is not one (the grouped fp8 GEMM
+# takes a scale per row and column)
+EXPERT_RECIPES = ("rowwise", "rowwise_with_gw_hp")
+FP8_ALIGN = 16          # the fp8 grouped GEMM: hidden and intermediate multiples of 16
 
 class FusedExperts(Op):
     name = "fused_experts"
@@ -47,6 +53,13 @@ class FusedExperts(Op):
     flags = (
         FlagSpec("save_pre", "bool", True, "keep the gate/up pre-activations (2 x intermediate per token slot) "
                  "for backward; false recomputes them there (one more grouped GEMM, less memory)"),
+        FlagSpec("fp8", "choice", "off", "the expert GEMMs in fp8 (torch._scaled_grouped_mm, Hopper), with "
+                 "fp8_linear's recipe names: rowwise (all six GEMMs on e4m3 operands, a power-of-two scale per "
+                 "row along each GEMM's reduction dimension; a weight gradient's operands per column and expert) "
+                 "or rowwise_with_gw_hp (the weight gradients in the model's dtype); off: bf16 GEMMs",
+                 choices=("off",) + EXPERT_RECIPES),
+        FlagSpec("emulate", "bool", False, "with fp8: the recipe's quantisation with fp32 matmuls of the "
+                 "dequantised values instead of fp8 GEMMs (CPU / older GPUs: its numerics, not its speed)"),
     )
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
@@ -59,7 +72,9 @@ class FusedExperts(Op):
                 "activation": str(f["activation"]),
                 "alpha": float(f["alpha"]) if f.get("alpha") is not None else None,
                 "limit": float(f["limit"]) if f.get("limit") is not None else None,
-                "target": target, "save_pre": bool(flags.get("save_pre", True))}
+                "target": target, "save_pre": bool(flags.get("save_pre", True)),
+                "fp8": str(flags.get("fp8", "off")),
+                "emulate": bool(flags.get("emulate", False)) and str(flags.get("fp8", "off")) != "off"}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         parts = [self.name, params["activation"], params["dtype"], f"e{params['experts']}", f"k{params['top_k']}",
@@ -70,6 +85,8 @@ class FusedExperts(Op):
             parts.append("bias")
         if not params["save_pre"]:
             parts.append("recompute")
+        if params.get("fp8", "off") != "off":
+            parts.append(f"fp8_{params['fp8']}" + ("_emulated" if params.get("emulate") else ""))
         parts.append(params["target"])
         return "_".join(str(p) for p in parts)
 
@@ -79,6 +96,43 @@ class FusedExperts(Op):
         call, which the fused forward reads at call time."""
         depth = int(info.facts("Experts").get("peft_depth") or 0)
         return info.path + ".base_layer" * depth
+
+    def unavailable(self, params: Mapping[str, Any]) -> str | None:
+        """fp8 experts: where fp8 grouped GEMMs cannot run (None when they can, emulated, or off)."""
+        if params.get("fp8", "off") == "off":
+            return None
+        bad = [f"{n}={params[n]}" for n in ("hidden", "intermediate") if int(params[n]) % FP8_ALIGN]
+        if bad:
+            return (f"fp8 experts need hidden and intermediate sizes that are multiples of {FP8_ALIGN} "
+                    f"({', '.join(bad)}); use fused_experts without fp8")
+        if params.get("emulate"):
+            return None
+        fix = "; fused_experts(fp8=..., emulate=true) runs the recipe's numerics without fp8 GEMMs (tests only)"
+        if params["dtype"] != "bf16":
+            return (f"fp8 experts produce bfloat16 (torch._scaled_grouped_mm's only output); this model is "
+                    f"{params['dtype']}: load it in bfloat16, or leave fp8 off" + fix)
+        if params["target"] != "cuda":
+            return ("fp8 grouped GEMMs need a Hopper GPU (compute capability 9.x, torch._scaled_grouped_mm); "
+                    "this plan targets the Triton interpreter (no GPU)" + fix)
+        import torch
+
+        if not hasattr(torch, "_scaled_grouped_mm"):
+            return f"torch {torch.__version__} has no torch._scaled_grouped_mm" + fix
+        if not torch.cuda.is_available():
+            return "fp8 grouped GEMMs need a Hopper GPU, and none is visible" + fix
+        cap = tuple(torch.cuda.get_device_capability())
+        if cap[0] != 9:
+            return (f"fp8 grouped GEMMs (torch._scaled_grouped_mm's rowwise kernels) need a Hopper GPU "
+                    f"(compute capability 9.x); this GPU ({torch.cuda.get_device_name()}) is {cap[0]}.{cap[1]}" + fix)
+        return None
+
+    def parity_floor(self, flags: Mapping[str, Any], dtype: str) -> float | None:
+        """verify's floor with fp8 on: twice the worst relative rounding of an e4m3 x e4m3 product,
+        2 (u + u + u^2) (see fp8_linear.tolerance_floor), plus the dtype's floor; None with fp8 off."""
+        if str(flags.get("fp8", "off")) == "off":
+            return None
+        u = UNIT_ROUNDOFF["e4m3"]
+        return 2.0 * (2 * u + u * u) + DTYPE_FLOORS.get(dtype, 0.0)
 
     def misfit(self, info: ModuleInfo, index: Any) -> str | None:
         if not info.facts("Experts").get("top_k"):
