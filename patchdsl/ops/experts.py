@@ -49,7 +49,15 @@ class FusedExperts(Op):
            "parallelism's 'not here') skipped; PEFT LoRA on the expert weights (target_parameters) applied from "
            "its factors as grouped GEMMs, never materialising W + BA, a frozen base skipping its weight-gradient "
            "GEMMs; the routing stays the router's (see fused_router); deterministic; per instance "
-           "(transformers' experts registry untouched).")
+           "(transformers' experts registry untouched). Routing: the op takes the router's top_k_index / "
+           "top_k_weights as they come (softmax, sigmoid grouped top-k, any k; fused_router computes them), "
+           "and the routing weights get their gradient so the router trains. LoRA: PEFT's target_parameters "
+           "adapters on gate_up_proj / down_proj are read from their factors at call time, each low-rank "
+           "product two skinny grouped GEMMs, gradients for both factors. fp8: fp8=rowwise runs all six expert "
+           "GEMMs (forward, input and weight gradients) on e4m3 operands with power-of-two per-row scales "
+           "through torch._scaled_grouped_mm, rowwise_with_gw_hp keeps the weight gradients in bf16; bf16 "
+           "models on Hopper only, emulate=true elsewhere (numerics only); verify judges fp8 sites against the "
+           "recipe's bound (0.254 + the dtype's floor); LoRA products stay in bf16.")
     flags = (
         FlagSpec("save_pre", "bool", True, "keep the gate/up pre-activations (2 x intermediate per token slot) "
                  "for backward; false recomputes them there (one more grouped GEMM, less memory)"),

@@ -964,3 +964,18 @@ def test_block_bench_cpu_dry_run(tmp_path):
     assert ran == {(v, s) for v in ("default", "patchdsl") for s in ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")}, rows
     notes = {r["shape"]: r.get("note", "") for r in rows if r["variant"] == "patchdsl"}
     assert all("fused_experts" in n for n in notes.values()) and "fused_router" in notes["qwen3_moe"]
+
+
+@pytest.mark.parametrize("fp8_ms,want", [(6.0, "PASS"), (9.0, "MISSED")])
+def test_block_bench_verdict_judges_fp8_against_the_bf16_experts(fp8_ms, want):
+    """fp8 experts must be at least 1.3x patchdsl's bf16 experts on the same shape (issue 37)."""
+    bench = _block_bench()
+    t = bench.TOKENS
+    rows = [{"variant": "default", "shape": "qwen3_moe", "tokens": t, "ms": 20.0},
+            {"variant": "patchdsl", "shape": "qwen3_moe", "tokens": t, "ms": 9.0},
+            {"variant": "fp8", "shape": "qwen3_moe", "tokens": t, "ms": fp8_ms}]
+    _, verdict = bench.report(rows, {})
+    assert verdict.startswith("moe_block: " + want) and "fp8" in verdict, verdict
+    # an fp8 block farther from the default than the recipe allows is a miss
+    _, v = bench.report(rows, {"qwen3_moe fp8": {"out": 0.3, "dx": 0.05}})
+    assert v.startswith("moe_block: MISSED") and "parity qwen3_moe fp8" in v, v
