@@ -20,6 +20,10 @@ Variants (one process each; a process times every shape it can run):
             with the import error otherwise)
   fp8       patchdsl with fused_experts(fp8=rowwise) (all six expert GEMMs in fp8); fp8_gw_hp: with
             fp8=rowwise_with_gw_hp (weight gradients in bf16); judged against the patchdsl (bf16) row
+  lora_default, lora_patchdsl
+            PEFT LoRA (r 16, target_parameters: the experts' gate_up_proj and down_proj; base frozen)
+            over the default block, and over the patchdsl block (fused_experts reads PEFT's factors);
+            lora_patchdsl is judged against lora_default
   floor     the same FLOPs as dense torch.mm (2 GEMMs forward, 4 backward over T * top_k rows)
 
 Timing: CUDA events around the whole forward + backward, warm-up first, median of 20 (patchdsl_tools.bench.timing).  Every number is
@@ -58,12 +62,14 @@ TINY = {"qwen3_moe": dict(hidden_size=64, num_experts=8, num_experts_per_tok=2, 
         "gpt_oss": dict(hidden_size=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
         "deepseek_v3": dict(hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                             n_shared_experts=1, n_group=2, topk_group=1)}
-VARIANTS = ("default", "patchdsl", "fp8", "fp8_gw_hp", "liger", "floor", "sonicmoe")
+VARIANTS = ("default", "patchdsl", "fp8", "fp8_gw_hp", "lora_default", "lora_patchdsl", "liger", "floor", "sonicmoe")
+LORA = dict(r=16, lora_alpha=32, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 FP8_RECIPE = {"fp8": "rowwise", "fp8_gw_hp": "rowwise_with_gw_hp"}
 FP8_TARGET = 1.3            # issue 37: fp8 experts at least 1.3x the bf16 experts (the block, 16k tokens)
 # of the budget, by weight: Liger autotunes its fused MoE kernels on the first call of each shape (32
 # configurations per GEMM kernel, ~200 compilations): it gets the most
-SHARE = {"default": 1.0, "patchdsl": 1.0, "fp8": 0.8, "fp8_gw_hp": 0.8, "liger": 3.0, "floor": 0.3, "sonicmoe": 0.1}
+SHARE = {"default": 1.0, "patchdsl": 1.0, "fp8": 0.8, "fp8_gw_hp": 0.8, "lora_default": 0.8, "lora_patchdsl": 0.8,
+         "liger": 3.0, "floor": 0.3, "sonicmoe": 0.1}
 TOKENS = 16384
 SWEEP = (4096, 8192, 16384, 32768, 65536)
 # issue 37's targets for the block at 16k tokens: patchdsl's time at most this fraction of the peer's
@@ -112,6 +118,17 @@ def block_forward(m):
 
 def setup(variant: str, name: str, m, target: str) -> str:
     """Patch ``m`` for the variant; returns a note ('' when applied as described)."""
+    if variant.startswith("lora_"):
+        import peft
+
+        peft.get_peft_model(m, peft.LoraConfig(**LORA))          # wraps m.mlp.experts in place
+        with __import__("torch").no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.02)                           # B starts at 0: a delta that counts
+        if variant == "lora_default":
+            return f"PEFT LoRA r={LORA['r']} on the experts' weights"
+        variant = "patchdsl"
     if variant == "patchdsl" or variant in FP8_RECIPE:
         from patchdsl import apply, plan
 
@@ -122,7 +139,8 @@ def setup(variant: str, name: str, m, target: str) -> str:
         if not any("fused_experts" in r for r in rules):
             rules.append("mlp.experts: Experts -> fused_experts")
         if variant in FP8_RECIPE:
-            rules = [r.replace("fused_experts", f"fused_experts(fp8={FP8_RECIPE[variant]})") if "fused_experts" in r
+            emu = ", emulate=true" if target != "cuda" else ""          # the CPU dry run: the recipe's numerics
+            rules = [r.replace("fused_experts", f"fused_experts(fp8={FP8_RECIPE[variant]}{emu})") if "fused_experts" in r
                      else r for r in rules]
         apply(plan("\n".join(rules) + "\n", m, target=target), m, target=target)
         return "; ".join(rules)
@@ -188,7 +206,7 @@ def worker(variant: str, cases: list, cpu: bool) -> None:
                     built[name] = m
                 m = built[name]
                 fwd = block_forward(m)
-                H = m.mlp.experts.gate_up_proj.shape[-1 if not getattr(m.mlp.experts, "is_transposed", False) else 1]
+                H = SHAPES[name][1]["hidden_size"] if not cpu else TINY[name]["hidden_size"]
                 g = torch.Generator(device=dev).manual_seed(1)
                 x = torch.randn(1, tokens, H, device=dev, dtype=dt, generator=g).requires_grad_(True)
                 dy = torch.randn(1, tokens, H, device=dev, dtype=dt, generator=g)
@@ -330,6 +348,11 @@ def report(rows: list, parity: dict) -> tuple[str, str]:
         if mine is None or theirs is None:
             continue
         (met if mine <= frac * theirs else misses).append(f"{s} {theirs / mine:.2f}x {peer} (target {1 / frac:.2f}x)")
+    measured = []                    # reported with the verdict, no target
+    for s in SHAPES:
+        mine, peer = by.get(("lora_patchdsl", s, TOKENS), {}).get("ms"), by.get(("lora_default", s, TOKENS), {}).get("ms")
+        if mine is not None and peer is not None:
+            measured.append(f"{s} LoRA {peer / mine:.2f}x PEFT over the default")
     for v in FP8_RECIPE:
         for s in SHAPES:
             mine, bf16 = by.get((v, s, TOKENS), {}).get("ms"), by.get(("patchdsl", s, TOKENS), {}).get("ms")
@@ -346,6 +369,8 @@ def report(rows: list, parity: dict) -> tuple[str, str]:
             " | met: " + "; ".join(met) if met else "")
     else:
         verdict = "moe_block: PASS " + "; ".join(met)
+    if measured:
+        verdict += " | measured: " + "; ".join(measured)
     return "\n".join(lines), verdict
 
 
