@@ -33,7 +33,9 @@ import triton.language as tl
 from .launch import launch
 
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 FP8_MAX = 448.0
+FORMAT_MAX = {E4M3: 448.0, E5M2: 57344.0}
 AMAX_EPS = 1e-12
 GROUP_ALIGN = 16                 # rows of each expert in a weight gradient's fp8 operands: a multiple of this
 
@@ -122,24 +124,25 @@ def _quant_groups_t_kernel(X, OFFS, OFFS_P, QT, INV, C, SP, E: tl.constexpr, FP8
     tl.store(INV + e.to(tl.int64) * C + cols, 1.0 / scale, mask=cm)
 
 
-def _store_dtype() -> torch.dtype:
-    return torch.float32 if _interpreted() else E4M3
+def _store_dtype(fp8: torch.dtype = E4M3) -> torch.dtype:
+    return torch.float32 if _interpreted() else fp8
 
 
-def quant_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantise(t, -1)`` of ``t`` [..., C] in one kernel: (q [..., C] e4m3, inv [...] fp32)."""
+def quant_rows(t: torch.Tensor, fp8: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantise(t, -1)`` of ``t`` [..., C] in one kernel: (q [..., C] in ``fp8`` (e4m3 unless told),
+    inv [...] fp32)."""
     lead, C = t.shape[:-1], t.shape[-1]
     t2 = t.reshape(-1, C)
     if t2.stride(-1) != 1:
         t2 = t2.contiguous()
     M = t2.shape[0]
-    q = torch.empty((M, C), device=t.device, dtype=_store_dtype())
+    q = torch.empty((M, C), device=t.device, dtype=_store_dtype(fp8))
     inv = torch.empty((M,), device=t.device, dtype=torch.float32)
     if M:
         block = min(4096, triton.next_power_of_2(max(C, 16)))
-        launch(_quant_rows_kernel, (M,), t2, q, inv, C, t2.stride(0), FP8MAX=FP8_MAX, BLOCK=block,
+        launch(_quant_rows_kernel, (M,), t2, q, inv, C, t2.stride(0), FP8MAX=FORMAT_MAX[fp8], BLOCK=block,
                num_warps=8 if block >= 2048 else 4)
-    return (q if q.dtype is E4M3 else q.to(E4M3)).view(*lead, C), inv.view(lead)
+    return (q if q.dtype is fp8 else q.to(fp8)).view(*lead, C), inv.view(lead)
 
 
 def padded_offsets(offs: torch.Tensor, align: int = GROUP_ALIGN) -> torch.Tensor:
