@@ -155,11 +155,12 @@ def padded_offsets(offs: torch.Tensor, align: int = GROUP_ALIGN) -> torch.Tensor
 def quant_groups_t(x: torch.Tensor, offs: torch.Tensor, offs_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 operand of a weight gradient from ``x`` [rows, C] sorted by expert (``offs``: the
     groups' ends, ``offs_p``: :func:`padded_offsets`): (qT [C, SP] e4m3, each expert's rows at its
-    padded place, zeros between; inv [E * C] fp32, expert-major).  SP = rows + 16 E covers any padding."""
+    padded place, zeros between; inv [E * C] fp32, expert-major).  SP = rows + 16 E (rounded up to 16)
+    covers any padding."""
     x = x.contiguous()
     rows, C = x.shape
     E = offs.numel()
-    sp = rows + GROUP_ALIGN * E
+    sp = -(-(rows + GROUP_ALIGN * E) // 16) * 16        # a row stride of 16 bytes, as the fp8 GEMM reads it
     qt = torch.empty((C, sp), device=x.device, dtype=_store_dtype())     # the tail past the last group: unread
     inv = torch.empty((E * C,), device=x.device, dtype=torch.float32)
     bc = 64
