@@ -76,21 +76,25 @@ def clamp_keep_nan(v, FP8MAX: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(X, Q, INV, C, stride_x, FP8MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """One row of X [M, C]: its amax, power-of-two scale, and scaled, clamped values into Q [M, C]."""
-    row = tl.program_id(0).to(tl.int64)
+def _quant_rows_kernel(X, Q, INV, M, C, stride_x, FP8MAX: tl.constexpr, BR: tl.constexpr, BLOCK: tl.constexpr):
+    """BR rows of X [M, C]: each row's amax, power-of-two scale, and scaled, clamped values into
+    Q [M, C] (BR is 1 on a GPU, where a row per program keeps the loads wide; more rows per program
+    under the interpreter, whose cost is per program)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rm = rows < M
     offs = tl.arange(0, BLOCK)
-    xp = X + row * stride_x
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    xp = X + rows[:, None] * stride_x
+    amax = tl.zeros((BR, BLOCK), dtype=tl.float32)
     for c0 in range(0, C, BLOCK):
-        m = (c0 + offs) < C
-        amax = tl.maximum(amax, mag(tl.load(xp + c0 + offs, mask=m, other=0.0).to(tl.float32)))
-    scale = pow2_floor(FP8MAX / tl.maximum(tl.max(amax, axis=0), 1e-12))
+        m = rm[:, None] & ((c0 + offs) < C)[None, :]
+        amax = tl.maximum(amax, mag(tl.load(xp + c0 + offs[None, :], mask=m, other=0.0).to(tl.float32)))
+    scale = pow2_floor(FP8MAX / tl.maximum(tl.max(amax, axis=1), 1e-12))
     for c0 in range(0, C, BLOCK):
-        m = (c0 + offs) < C
-        x = tl.load(xp + c0 + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(Q + row * C + c0 + offs, clamp_keep_nan(x * scale, FP8MAX).to(Q.dtype.element_ty), mask=m)
-    tl.store(INV + row, 1.0 / scale)
+        m = rm[:, None] & ((c0 + offs) < C)[None, :]
+        x = tl.load(xp + c0 + offs[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(Q + rows[:, None] * C + c0 + offs[None, :],
+                 clamp_keep_nan(x * scale[:, None], FP8MAX).to(Q.dtype.element_ty), mask=m)
+    tl.store(INV + rows, 1.0 / scale, mask=rm)
 
 
 @triton.jit
@@ -140,8 +144,9 @@ def quant_rows(t: torch.Tensor, fp8: torch.dtype = E4M3) -> tuple[torch.Tensor, 
     inv = torch.empty((M,), device=t.device, dtype=torch.float32)
     if M:
         block = min(4096, triton.next_power_of_2(max(C, 16)))
-        launch(_quant_rows_kernel, (M,), t2, q, inv, C, t2.stride(0), FP8MAX=FORMAT_MAX[fp8], BLOCK=block,
-               num_warps=8 if block >= 2048 else 4)
+        br = 64 if _interpreted() else 1
+        launch(_quant_rows_kernel, (triton.cdiv(M, br),), t2, q, inv, M, C, t2.stride(0), FP8MAX=FORMAT_MAX[fp8],
+               BR=br, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return (q if q.dtype is fp8 else q.to(fp8)).view(*lead, C), inv.view(lead)
 
 
