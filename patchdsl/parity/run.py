@@ -127,9 +127,9 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     base = _base(model_or_factory)
     layers_info = None
     if layers is not None:
-        kept, of = truncate_layers(base, layers)
-        layers_info = {"used": kept, "of": of}
-        say(f"kept the first {kept} of {of} decoder layers")
+        record = truncate_layers(base, layers)
+        layers_info = record.to_json()
+        say(record.describe())
     p0 = next(base.parameters(), None)
     base_dt = p0.dtype if p0 is not None else dt
     est = estimate(base, dt.itemsize, batch, seq, device,
