@@ -28,7 +28,7 @@
 # By name only (not in "all"): spec_verify (570 s; bench/spec_verify.py: `patchdsl verify` of EVERY shipped spec, listed
 # from specs/, on transformers' default config of its family, --layers 2 --dtype bf16, each spec in its own process under
 # T_SPEC (150 s); one line per spec (spec, model type, verdict, seconds) in spec_verify.txt; SPEC_VERIFY=glm4,olmo2 picks
-# specs (the 26 do not fit one call: run it in a few calls), SPEC_VERIFY_ARGS="--device cpu --dtype fp32 --extra --tiny"
+# specs (the 26 do not fit one call: run it in a few calls), SPEC_VERIFY_ARGS="--device cpu --dtype fp32 --extra=--tiny"
 # is its CPU dry run), e2e_8b (300 s; Llama-3.1-8B-shaped 4x2048 (B8; MB8 sets a micro-batch: on an 80 GB card MB8=1), built on the GPU: patchdsl with the
 # llama spec and with bench/specs/llama_fp8.kpatch (E8B_SPECS replaces these --spec arguments), Liger, HF; each in its own process; LLAMA_SPECS="--spec llama
 # --spec bench/specs/llama_fp8.kpatch" gives e2e_llama the fp8 row too), compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
@@ -350,7 +350,7 @@ for part in $PARTS; do
       ;;
     spec_verify)   # issue 38: every shipped spec (listed from specs/) verified at its family's default widths,
       # --layers 2 (one layer of each type at least, only those built), bf16; SPEC_VERIFY=a,b picks specs, T_SPEC the
-      # per-spec limit (150 s), SPEC_VERIFY_ARGS more arguments (CPU dry run: "--device cpu --dtype fp32 --extra --tiny")
+      # per-spec limit (150 s), SPEC_VERIFY_ARGS more arguments (CPU dry run: "--device cpu --dtype fp32 --extra=--tiny")
       mkdir -p "$WORK/spec_verify"
       PART_OUT="$WORK/spec_verify" run_part spec_verify "$lim" python3 bench/spec_verify.py --budget $(( lim - 8 )) \
         --specs "${SPEC_VERIFY:-all}" ${SPEC_VERIFY_ARGS:-}

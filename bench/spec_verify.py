@@ -1,7 +1,7 @@
 """`patchdsl verify` of EVERY shipped spec (listed from specs/) at its family's real widths, on the GPU.
 
     python bench/spec_verify.py [--budget 570] [--specs all | glm4,olmo2] [--per-spec 150]
-                                [--device cuda --dtype bf16 --layers 2] [--extra "--tiny"]
+                                [--device cuda --dtype bf16 --layers 2] [--extra=--tiny]
 
 For each spec ``specs/<name>.kpatch``: transformers' own default config of the spec's family (``FAMILY``
 below names the model type where it is not the spec's name) is written to a config.json, then
@@ -18,8 +18,8 @@ to spec_verify/<name>.json, everything into $PART_OUT (or --out); the verdict li
 
 CPU dry run (checks the script, the configs and the command lines, seconds per small spec):
 
-    python bench/spec_verify.py --specs llama --device cpu --dtype fp32 --extra "--tiny" --out /tmp/sv
-    SPEC_VERIFY=llama SPEC_VERIFY_ARGS="--device cpu --dtype fp32 --extra --tiny" bash bench/gpu_all.sh spec_verify
+    python bench/spec_verify.py --specs llama --device cpu --dtype fp32 --extra=--tiny --out /tmp/sv
+    SPEC_VERIFY=llama SPEC_VERIFY_ARGS="--device cpu --dtype fp32 --extra=--tiny" bash bench/gpu_all.sh spec_verify
 """
 
 from __future__ import annotations
