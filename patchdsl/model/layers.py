@@ -167,12 +167,13 @@ def _fix_config(cfg: Any, keep: list[int], total: int) -> None:
 
 def keep(model: Any, n: int) -> KeptLayers:
     """Cut ``model`` to the decoder layers :func:`choose` picks (in place; works on the meta device), renumber
-    their ``layer_idx`` and fix the config (:func:`_fix_config`).  A model already cut by
-    ``load_model(layers=...)`` is left as it is and its record returned."""
+    their ``layer_idx`` and fix the config (:func:`_fix_config`); the record is kept on the model (``MARK``).
+    A model already cut to at most ``n`` layers (``load_model(layers=...)``) is left as it is and its record
+    returned."""
     import torch
 
     done = getattr(model, MARK, None)
-    if isinstance(done, KeptLayers):
+    if isinstance(done, KeptLayers) and n >= done.used:
         return done
     if n < 1:
         raise LayersError(f"--layers must be at least 1, got {n}")
@@ -184,7 +185,10 @@ def keep(model: Any, n: int) -> KeptLayers:
     sigs = [s for s, _ in kinds]
     total = len(layers)
     kept = choose(sigs, n)
-    record = KeptLayers(tuple(kept), total, tuple(kinds[i][1] for i in kept), n)
+    # cut before (load_model(layers=M), now fewer): the record names the layers of the original model
+    orig = done.kept if isinstance(done, KeptLayers) else tuple(range(total))
+    record = KeptLayers(tuple(orig[i] for i in kept), done.of if isinstance(done, KeptLayers) else total,
+                        tuple(kinds[i][1] for i in kept), n)
     if len(kept) < total:
         holder_path, _, attr = path.rpartition(".")
         holder = model.get_submodule(holder_path) if holder_path else model

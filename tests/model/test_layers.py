@@ -131,3 +131,17 @@ def test_a_model_far_too_big_is_built_only_where_kept(tmp_path):
     assert inv[0].item() == 1.0 and torch.isfinite(inv).all() and (inv > 0).all()
     ids = torch.randint(0, 1024, (1, 6))
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_a_model_cut_at_load_is_cut_further_by_verify_naming_the_original_layers(tmp_path):
+    from patchdsl.model.layers import keep
+
+    path = _config_file(tmp_path, "qwen3_moe", **{**SMALL, "num_hidden_layers": 6, "num_experts": 4,
+                                                  "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                                  "decoder_sparse_step": 1, "mlp_only_layers": [0, 1, 2]})
+    lm = load_model(path, layers=3, meta=True, log=None)
+    assert lm.layers.kept == (0, 1, 3)
+    assert keep(lm.model, 5) is lm.layers                 # no further cut: the load's record
+    again = keep(lm.model, 1)                             # fewer: one of each type, named in the original model
+    assert again.kept == (0, 3) and again.of == 6 and len(lm.model.model.layers) == 2
+    assert _layers(lm.model) == _rebuilt_layers(lm.model.config)

@@ -28,7 +28,7 @@ EXPERTS = "# *.mlp.experts: Experts -> fused_experts"
 def test_every_shipped_spec_has_a_tiny_model():
     missing = set(SHIPPED) - set(BUILDERS)
     assert not missing, f"give these shipped specs a tiny model in tests/shipped_specs.py: {sorted(missing)}"
-    assert len(SHIPPED) >= 26, SHIPPED          # the folder is read, not an empty glob
+    assert "qwen3" in SHIPPED and "deepseek_v3" in SHIPPED, SHIPPED      # the folder is read, not an empty glob
 
 
 @lru_cache(maxsize=1)          # the dtypes of one spec run one after the other (below): one build each
