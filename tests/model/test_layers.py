@@ -145,3 +145,38 @@ def test_a_model_cut_at_load_is_cut_further_by_verify_naming_the_original_layers
     again = keep(lm.model, 1)                             # fewer: one of each type, named in the original model
     assert again.kept == (0, 3) and again.of == 6 and len(lm.model.model.layers) == 2
     assert _layers(lm.model) == _rebuilt_layers(lm.model.config)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma3_text", "qwen3_5_text", "qwen2_5_vl"])
+def test_the_kept_part_is_initialised_as_a_whole_build_is(tmp_path, model_type):
+    """to_empty + transformers' initialize_weights fills every buffer as building the model whole does (rotary
+    tables per layer type, a router's correction bias, a vision tower's), and every parameter (no uninitialised
+    memory): compared buffer by buffer with the whole model's, the kept layers with the layers they were."""
+    from patchdsl.model.modules import decoder_layers
+    from patchdsl.model.tiny import quiet, tiny_family_config
+
+    with quiet():
+        cfg = tiny_family_config(model_type)
+    d = cfg.to_dict()
+    d.pop("torch_dtype", None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d, default=str))
+    with quiet():
+        whole = load_model(path, dtype="fp32", log=None).model
+        lm = load_model(path, dtype="fp32", layers=1, log=None)
+    layers_path, _ = decoder_layers(whole)
+    prefix = layers_path + "."
+
+    def original(name: str) -> str:
+        if not name.startswith(prefix):
+            return name
+        i, rest = name[len(prefix):].split(".", 1)
+        return f"{prefix}{lm.layers.kept[int(i)]}.{rest}"
+
+    wb = dict(whole.named_buffers())
+    cut = dict(lm.model.named_buffers())
+    assert cut
+    for name, b in cut.items():
+        assert torch.equal(b, wb[original(name)]), name
+    for name, p in lm.model.named_parameters():
+        assert torch.isfinite(p).all() and p.shape == whole.get_parameter(original(name)).shape, name
