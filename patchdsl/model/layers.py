@@ -25,8 +25,7 @@ from typing import Any
 from .modules import decoder_layers
 
 # config lists with one entry per decoder layer (sliced to the kept layers)
-PER_LAYER_KEYS = ("layer_types", "no_rope_layers", "sliding_window_pattern_list", "mlp_layer_types",
-                  "attention_chunk_sizes")
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers", "sliding_window_pattern_list", "mlp_layer_types")
 # config lists of layer indices (renumbered to the kept layers)
 INDEX_KEYS = ("mlp_only_layers", "moe_layers")
 # config counts of leading layers of one type (dense layers first: DeepSeek, GLM-4.5, dots1, AFMoE)
@@ -100,17 +99,19 @@ def layer_kinds(model: Any) -> list[tuple[tuple, str]] | None:
         entries = tuple((k, repr(v[i])) for k, v in per_layer.items())
         # what people read: the per-layer config entries, then the names of the layer's direct children
         # and their classes where those differ between the layers
-        words = [str(v[i]) for v in per_layer.values()]
+        words = [str(v[i]) if k == "layer_types" else f"{k}={v[i]}" for k, v in per_layer.items()]
         out.append(((structure, entries), words))
     # the children that tell the layers apart (a MoE block instead of an MLP, linear_attn instead of self_attn)
     child_sets = [tuple((n, type(c).__name__) for n, c in lay.named_children()) for lay in layers]
     differing = {x for s in child_sets for x in s} - set.intersection(*(set(s) for s in child_sets)) if child_sets else set()
     result = []
+    numbers: dict[Any, int] = {}
     for (sig, words), children in zip(out, child_sets):
         extra = [f"{n}={cls}" for n, cls in children if (n, cls) in differing]
+        number = numbers.setdefault(sig, len(numbers) + 1)
         desc = " ".join(words + extra)
-        if not desc and len({s for s, _ in out}) > 1:
-            desc = "other shapes"
+        if not desc and len({s for s, _ in out}) > 1:      # they differ deeper down: numbered
+            desc = f"layer type {number}"
         result.append((sig, desc))
     return result
 
