@@ -25,7 +25,11 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): e2e_8b (300 s; Llama-3.1-8B-shaped 4x2048 (B8; MB8 sets a micro-batch: on an 80 GB card MB8=1), built on the GPU: patchdsl with the
+# By name only (not in "all"): spec_verify (570 s; bench/spec_verify.py: `patchdsl verify` of EVERY shipped spec, listed
+# from specs/, on transformers' default config of its family, --layers 2 --dtype bf16, each spec in its own process under
+# T_SPEC (150 s); one line per spec (spec, model type, verdict, seconds) in spec_verify.txt; SPEC_VERIFY=glm4,olmo2 picks
+# specs (the 26 do not fit one call: run it in a few calls), SPEC_VERIFY_ARGS="--device cpu --dtype fp32 --extra=--tiny"
+# is its CPU dry run), e2e_8b (300 s; Llama-3.1-8B-shaped 4x2048 (B8; MB8 sets a micro-batch: on an 80 GB card MB8=1), built on the GPU: patchdsl with the
 # llama spec and with bench/specs/llama_fp8.kpatch (E8B_SPECS replaces these --spec arguments), Liger, HF; each in its own process; LLAMA_SPECS="--spec llama
 # --spec bench/specs/llama_fp8.kpatch" gives e2e_llama the fp8 row too), compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
 # (regional) vs patchdsl.compile_model (whole) vs plain torch.compile of the patched model, each in its own process;
@@ -86,7 +90,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="e2e_8b fp8_ops moe moe_block moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence convergence_fp8 label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="spec_verify e2e_8b fp8_ops moe moe_block moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence convergence_fp8 label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -182,6 +186,7 @@ for part in $PARTS; do
     moe_router) lim=$(limit moe_router 60) ;;
     moe_block) lim=$(limit moe_block 300) ;;
     rope_layouts) lim=$(limit rope_layouts 90) ;;
+    spec_verify) lim=$(limit spec_verify 570) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -342,6 +347,16 @@ for part in $PARTS; do
       [ -f "$WORK/convergence_fp8/convergence_fp8.txt" ] && cat "$WORK/convergence_fp8/convergence_fp8.txt" >>"$WORK/summary.parts"
       v=$(grep -E "^convergence_fp8: " "$LOG" | tail -n 1)
       status+=("${v:-convergence_fp8: no verdict line}")
+      ;;
+    spec_verify)   # issue 38: every shipped spec (listed from specs/) verified at its family's default widths,
+      # --layers 2 (one layer of each type at least, only those built), bf16; SPEC_VERIFY=a,b picks specs, T_SPEC the
+      # per-spec limit (150 s), SPEC_VERIFY_ARGS more arguments (CPU dry run: "--device cpu --dtype fp32 --extra=--tiny")
+      mkdir -p "$WORK/spec_verify"
+      PART_OUT="$WORK/spec_verify" run_part spec_verify "$lim" python3 bench/spec_verify.py --budget $(( lim - 8 )) \
+        --specs "${SPEC_VERIFY:-all}" ${SPEC_VERIFY_ARGS:-}
+      [ -f "$WORK/spec_verify/spec_verify.txt" ] && cat "$WORK/spec_verify/spec_verify.txt" >>"$WORK/summary.parts"
+      v=$(grep -E "^spec_verify: " "$LOG" | tail -n 1)
+      status+=("${v:-spec_verify: no verdict line}")
       ;;
     vlm_verify)   # issue 25: the multimodal specs on full-size vision-language models (language tower + loss)
       mkdir -p "$WORK/vlm_verify"

@@ -55,6 +55,7 @@ class LoadedModel:
     source: str                # one line: where the weights/architecture came from
     has_weights: bool          # True only when real (pretrained) weights were loaded
     config: Any                # the PretrainedConfig the model was built from
+    layers: Any = None         # load_model(layers=N): the KeptLayers record (which original layers were kept)
 
 
 # ---------------------------------------------------------------- shipped configs
@@ -319,10 +320,43 @@ def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_i
         return AutoModelForCausalLM.from_config(cfg, **kw)
 
 
+def _materialise(model, device: str, seed: int):
+    """A model cut on the meta device, on ``device`` with transformers' own random initialisation (what
+    ``from_pretrained`` does for weights a checkpoint lacks: empty tensors, then ``initialize_weights``,
+    which also fills the non-persistent buffers such as the rotary tables), weights tied again."""
+    import torch
+
+    dev = torch.device(device)
+    model.to_empty(device=dev)
+    for t in (*model.modules(), *model.parameters(), *model.buffers()):
+        if "_is_hf_initialized" in vars(t):
+            delattr(t, "_is_hf_initialized")
+    torch.manual_seed(seed)
+    if dev.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+def _cut(model, n: int):
+    from .layers import LayersError, keep
+
+    try:
+        return keep(model, n)
+    except LayersError as e:
+        raise ModelLoadError(str(e)) from None
+
+
 def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu", meta: bool = False,
                weights: bool = True, attn_implementation: str | None = None, tiny: bool = False,
-               seed: int = 0, log: Callable[[str], Any] | None = print) -> LoadedModel:
+               seed: int = 0, layers: int | None = None, log: Callable[[str], Any] | None = print) -> LoadedModel:
     """Load ``spec`` (Hub id, model directory or config.json path); see the module docstring.
+
+    ``layers=N``: keep N decoder layers, at least one of each layer type (:mod:`patchdsl.model.layers`;
+    ``LoadedModel.layers`` says which).  Built from a config, the model is made on the meta device, cut,
+    and only the kept part is materialised on ``device``: a 671B-parameter config with ``layers=2``
+    allocates two layers, the embeddings and the head.
 
     Raises ``ModelLoadError`` when ``spec`` resolves to nothing, with the shipped ids in the message.
     """
@@ -334,8 +368,11 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
     path = Path(spec_s).expanduser()
 
     def done(model, source: str, has_weights: bool) -> LoadedModel:
+        kept = _cut(model, layers) if layers is not None else None     # a model cut while built: its record
+        if kept is not None:
+            source += f"; {kept.describe()}"
         log(source)
-        return LoadedModel(model, source, has_weights, model.config)
+        return LoadedModel(model, source, has_weights, model.config, kept)
 
     def from_config(cfg_dict: dict, where: str, why: str | None) -> LoadedModel:
         cfg = config_from_dict(cfg_dict)
@@ -343,8 +380,13 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         if tiny:
             full, cfg = cfg, tiny_config(cfg)
         try:
-            model = _build(cfg, dtype=dtype, device=device, meta=meta, tiny=tiny, seed=seed,
+            # layers=N: built on the meta device, cut, and only what is kept materialised
+            model = _build(cfg, dtype=dtype, device=device, meta=meta or layers is not None, tiny=tiny, seed=seed,
                            attn_implementation=attn_implementation)
+            if layers is not None and _cut(model, layers) and not meta:
+                model = _materialise(model, device, seed)
+        except ModelLoadError:
+            raise
         except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, OverflowError, ZeroDivisionError) as e:
             raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {_one_line(e)}") \
                 from None

@@ -45,9 +45,11 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
     an ``nn.Module`` (left untouched: it is deep-copied) or a zero-argument function returning
     one (called once; its model is consumed).  ``device``: "cpu", "cuda", ... (default: cuda
     when available).  ``target``: the kernel target (default: detected).  ``factor`` / ``floor``
-    override the tolerance rule of :mod:`patchdsl.parity.compare`.  ``layers``: keep only the
-    first N decoder layers (a quick check of a large model at its real widths; the report says
-    so).  ``reference``: "whole" (a float64 copy of the whole model), "streamed" (one decoder
+    override the tolerance rule of :mod:`patchdsl.parity.compare`.  ``layers``: keep N decoder
+    layers, one of each layer type at least (a quick check of a large model at its real widths; the
+    report names the original layers kept; :mod:`patchdsl.model.layers`).  A model or factory given
+    here is built whole and then cut; ``load_model(..., layers=N)`` (the CLI) builds only the kept
+    layers.  ``reference``: "whole" (a float64 copy of the whole model), "streamed" (one decoder
     layer at a time, see :mod:`patchdsl.parity.stream`) or "auto" (whole when it fits).
     ``images`` (vision-language models, see :mod:`.images`): None (default) feeds an image batch built
     from the config when one runs and the reference is whole, else text only with the reason in
@@ -127,9 +129,9 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     base = _base(model_or_factory)
     layers_info = None
     if layers is not None:
-        kept, of = truncate_layers(base, layers)
-        layers_info = {"used": kept, "of": of}
-        say(f"kept the first {kept} of {of} decoder layers")
+        record = truncate_layers(base, layers)
+        layers_info = record.to_json()
+        say(record.describe())
     p0 = next(base.parameters(), None)
     base_dt = p0.dtype if p0 is not None else dt
     est = estimate(base, dt.itemsize, batch, seq, device,
