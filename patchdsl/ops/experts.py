@@ -85,7 +85,8 @@ class FusedExperts(Op):
                 "emulate": bool(flags.get("emulate", False)) and str(flags.get("fp8", "off")) != "off"}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
-        parts = [self.name, params["activation"], params["dtype"], f"e{params['experts']}", f"k{params['top_k']}",
+        parts = [self.name, params["activation"], params["dtype"], f"e{params['experts']}",
+                 f"k{params['top_k']}" if params["top_k"] else "kany",
                  f"h{params['hidden']}", f"i{params['intermediate']}", params["layout"]]
         if params["transposed"]:
             parts.append("t")
@@ -141,12 +142,6 @@ class FusedExperts(Op):
             return None
         u = UNIT_ROUNDOFF["e4m3"]
         return 2.0 * (2 * u + u * u) + DTYPE_FLOORS.get(dtype, 0.0)
-
-    def misfit(self, info: ModuleInfo, index: Any) -> str | None:
-        if not info.facts("Experts").get("top_k"):
-            return (f"{info.path} ({info.cls}): its top-k is not known (neither the module's top_k nor its "
-                    "config's num_experts_per_tok); not patched")
-        return None
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         import torch
