@@ -59,7 +59,8 @@
 # real text, patchdsl vs unpatched vs Liger), convergence_fp8 (240 s; bench/convergence.py --fp8 FP8_RECIPE (rowwise) --size full:
 # Llama-3.2-1B- and Qwen3-0.6B-shaped, bf16, FP8_STEPS (100) steps of 8 x 512, the spec with fp8 projections against
 # the spec alone, and the unpatched bf16 model as a control (its per-step drift from the bf16 run, reported next
-# to fp8's, not judged; FP8_CONTROL= leaves it out); verdict `convergence_fp8: PASS|FAIL`),
+# to fp8's, not judged; FP8_CONTROL= leaves it out); verdict `convergence_fp8: PASS|FAIL`; the fp8 experts of issue 37:
+# FP8_ON=experts FP8_FAMILIES=qwen3_moe FP8_SIZE=mini (the Qwen3-MoE mini model, fused_experts(fp8=FP8_RECIPE))),
 # label_check (90 s; linear CE with the label check on and off, chunked and fused modes,
 # 16384x1024x151936 bf16, patchdsl rows, then bench/label_check_verdict.py's line), sweep (300 s; bench ops
 # --sweep-only), specialise (120 s; bench specialise), host_breakdown (80 s; bench/host_breakdown.py, plus --root .old
@@ -342,8 +343,8 @@ for part in $PARTS; do
     convergence_fp8)   # issue 26 item 2: fp8 projections against bf16 over real text (Llama-3.2-1B and Qwen3-0.6B widths)
       mkdir -p "$WORK/convergence_fp8"
       PART_OUT="$WORK/convergence_fp8" run_part convergence_fp8 "$lim" python3 bench/convergence.py --fp8 "${FP8_RECIPE:-rowwise}" \
-        --families llama,qwen3 --size full --steps "${FP8_STEPS:-100}" --batch 8 --seq 512 --budget $(( lim - 10 )) \
-        ${FP8_CONTROL---fp8-control}
+        --families "${FP8_FAMILIES:-llama,qwen3}" --size "${FP8_SIZE:-full}" --fp8-on "${FP8_ON:-projections}" \
+        --steps "${FP8_STEPS:-100}" --batch 8 --seq 512 --budget $(( lim - 10 )) ${FP8_CONTROL---fp8-control}
       [ -f "$WORK/convergence_fp8/convergence_fp8.txt" ] && cat "$WORK/convergence_fp8/convergence_fp8.txt" >>"$WORK/summary.parts"
       v=$(grep -E "^convergence_fp8: " "$LOG" | tail -n 1)
       status+=("${v:-convergence_fp8: no verdict line}")
