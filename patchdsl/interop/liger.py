@@ -292,7 +292,12 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
             other = "rms_norm" if kind == "LayerNorm" else "layer_norm"
             alt = " (its norms are " + ("RMSNorms" if by_kind.get("RMSNorm") else "LayerNorms") + f": {other})" \
                 if by_kind.get("RMSNorm" if kind == "LayerNorm" else "LayerNorm") else ""
-            problems.append(f"{key}: {cls} has no {kind} module{alt}")
+            if key in given:
+                problems.append(f"{key}: {cls} has no {kind} module{alt}")
+            else:
+                # on by Liger's default for the model type, for modules this model does not have (Llama 4's
+                # layer_norm is for its vision tower, absent from Llama4ForCausalLM): Liger patches nothing
+                notes.append(f"{key} (on by Liger's default) has nothing to patch: {cls} has no {kind} module{alt}")
     # rope
     if keys["rope"]:
         if not attn:

@@ -193,6 +193,7 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
             continue
         if isinstance(v, list) and len(v) == L0 and L0 > 1 and all(not isinstance(x, (list, dict)) for x in v):
             d[k] = [v[min(i, L0 - 1)] for i in idx]
+    _per_layer_overrides(d, idx, L0, hd / hd0)
     d["num_hidden_layers"] = n
     if isinstance(d.get("max_window_layers"), int):
         d["max_window_layers"] = min(n, round(d["max_window_layers"] * n / L0))
@@ -228,6 +229,11 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     # vocabulary and the special ids in it
     vocab = min(vocab, int(d.get("vocab_size") or vocab))
     d["vocab_size"] = vocab
+    # Gemma 3n / 4's per-layer input embeddings (a vocab x layers x width table: 262144 x 30 x 256 by default)
+    if isinstance(d.get("vocab_size_per_layer_input"), int) and d["vocab_size_per_layer_input"] > vocab:
+        d["vocab_size_per_layer_input"] = vocab
+    if isinstance(d.get("hidden_size_per_layer_input"), int) and d["hidden_size_per_layer_input"] > 16:
+        d["hidden_size_per_layer_input"] = 16
     big = sorted({i for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                   for i in (d.get(k) if isinstance(d.get(k), list) else [d.get(k)])
                   if isinstance(i, int) and i >= vocab})
@@ -242,6 +248,30 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     new = type(config).from_dict(d)
     new._name_or_path = f"tiny:{getattr(config, '_name_or_path', '') or d.get('model_type')}"
     return new
+
+
+def _per_layer_overrides(d: dict, idx: list, L0: int, head_scale: float) -> None:
+    """Per-layer overrides keyed by layer index (Gemma 4's ``per_layer_config``: ``{"05": {"head_dim": 512}}``,
+    its full-attention layers' wider heads) for the kept layers ``idx``, renumbered, their head sizes shrunk
+    with the others' (transformers checks the keys against ``num_hidden_layers``)."""
+    for k, v in list(d.items()):
+        if not (isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values())):
+            continue
+        try:
+            old = {int(x): x for x in v}
+        except (TypeError, ValueError):
+            continue
+        if not all(0 <= i < L0 for i in old):
+            continue
+        width = max(len(str(x)) for x in v) if all(isinstance(x, str) for x in v) else 0
+        new = {}
+        for pos, i in enumerate(idx):
+            if i in old:
+                o = dict(v[old[i]])
+                if isinstance(o.get("head_dim"), int):
+                    o["head_dim"] = max(2, int(round(o["head_dim"] * head_scale / 2)) * 2)
+                new[str(pos).zfill(width) if width else pos] = o
+        d[k] = new
 
 
 # MoE sizes a family's default config leaves None though its modelling code needs them (transformers 5.x):
