@@ -96,9 +96,16 @@ _TOWER_SIZES = (("hidden_size", 64), ("intermediate_size", 128), ("num_hidden_la
 def _tiny_tower(c, text):
     """A vision/audio tower shrunk by its common size names (sizes it does not have are left)."""
     d = c.to_dict()
+    layers0 = {k: d[k] for k in ("num_hidden_layers", "depth", "num_layers") if isinstance(d.get(k), int)}
     for k, v in _TOWER_SIZES:
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > v:
             d[k] = v
+    for k, n0 in layers0.items():
+        # per-layer lists of the tower (MuSE-Glimmer's layer_types) follow its layer count
+        for key, v in list(d.items()):
+            if (key not in _NOT_PER_LAYER and isinstance(v, list) and len(v) == n0 > d[k]
+                    and all(not isinstance(x, (list, dict)) for x in v)):
+                d[key] = v[:d[k]]
     for k in ("out_hidden_size", "projection_dim", "text_hidden_size"):
         if isinstance(d.get(k), int):
             d[k] = text.hidden_size
@@ -199,6 +206,11 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
         d["max_window_layers"] = min(n, round(d["max_window_layers"] * n / L0))
     if d.get("sliding_window"):
         d["sliding_window"] = min(int(d["sliding_window"]), 8)
+    rates = d.get("compress_rates")
+    if isinstance(rates, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in rates.values()):
+        # DeepSeek-V4's compressed attention (a token per 4, per 128): a few compressed tokens at 8-token
+        # workloads, not none (an empty tensor through the compressor's norm)
+        d["compress_rates"] = {k: min(v, 2 if v == min(rates.values()) else 4) for k, v in rates.items()}
     _tiny_mamba(d, hidden, hidden0)
     _tiny_moe_defaults(d)
     grouped = _tiny_groups(d)

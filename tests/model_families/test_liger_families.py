@@ -34,6 +34,24 @@ JUDGED_AS = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl", "qwen
 # Modules Liger patches that patchdsl refuses, with the reason the suggestion must give (a located refusal,
 # never a silent skip): {model type: {leaf of the module path: reason fragment}}
 KNOWN_GAPS: dict[str, dict[str, str]] = {
+    # transformers' default DeepSeek-V2 config routes no experts (num_experts_per_tok None)
+    "deepseek_v2": {"experts": "its top-k is not known"},
+    # the causal LM hands logits_to_keep to its model, which may slice the hidden states itself
+    "gemma4": {"lm_head": "does not pass its arguments through to self.model unchanged (logits_to_keep)"},
+    "gemma4_text": {"lm_head": "does not pass its arguments through to self.model unchanged (logits_to_keep)"},
+    # the vision-language MoE classes add the router's auxiliary loss in their own way
+    "glm4v_moe": {"lm_head": "adds its router loss aux_loss to the loss in a way the fused loss does not replay"},
+    "qwen3_vl_moe": {"lm_head": "arguments the fused loss does not replay"},
+    # gpt-oss rotates halves with half-width cos/sin tables (no layout fused_rope has yet)
+    "gpt_oss": {"self_attn": "computes none of the rotary layouts"},
+    # Llama 4 rotates q and k as complex numbers (apply_rotary_emb on freqs_cis)
+    "llama4": {"self_attn": "applies its rotary embedding with apply_rotary_emb(...)"},
+    "llama4_text": {"self_attn": "applies its rotary embedding with apply_rotary_emb(...)"},
+    # Mllama's cross-attention layers run only with image states (skipped on text)
+    "mllama": {"cross_attn": "part of a cross-attention block", "q_norm": "part of a cross-attention block",
+               "k_norm": "part of a cross-attention block"},
+    # MuSE-Glimmer scales its logits by text_config.output_multiplier
+    "muse_glimmer": {"lm_head": "output_multiplier, which the fused loss does not reproduce"},
 }
 
 
@@ -113,3 +131,27 @@ def test_suggestion_patches_what_liger_patches(model_type, tmp_path_factory):
     assert not unexpected, {p: (liger_sites[p], w) for p, w in list(unexpected.items())[:6]}
     for p, w in missing.items():
         assert known[p.rsplit(".", 1)[-1]] in w, (p, w)
+
+
+_TINY: dict[str, object] = {}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", liger_model_types())
+def test_suggestion_for_a_liger_family_verifies(model_type, dtype, tmp_path_factory):
+    """The spec written from the default config verifies on the family's tiny config (text only, as Liger's
+    language model): one tiny model per family, deep-copied by verify for each dtype."""
+    from patchdsl.model.tiny import build, quiet, tiny_family_config
+    from patchdsl.parity import verify
+
+    why = _installed(model_type)
+    if why:
+        pytest.skip(why)
+    _, s, _, _, _ = _judged(model_type, tmp_path_factory)
+    with quiet():
+        if model_type not in _TINY:
+            _TINY[model_type] = build(tiny_family_config(model_type))
+        rep = verify(s.text, _TINY[model_type], dtype=dtype, batch=1, seq=8, seed=0, device="cpu", images=False)
+    assert rep.passed, [(r.path, r.op, r.quantity, r.rel_fro_err, r.tolerance) for r in rep.failures()][:6]
+    assert not rep.refused_required, rep.refused_required[:3]
+    assert rep.sites, "nothing of the suggestion was patched on the tiny model"
