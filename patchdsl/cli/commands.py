@@ -210,8 +210,10 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
         if recipe is not None and not images:
             from ..parity.images import image_batch_check
 
+            # only where the image batch ran: a vision rule verify cannot feed would fail as "did not run"
+            # (Qwen2-VL: its tiny vision tower was not tried, and verify of the suggestion FAILED)
             ok, why2 = image_batch_check(loaded.model.config)
-            recipe, why = (recipe, "") if ok is not False else (None, why2)
+            recipe, why = (recipe, "") if ok else (None, why2)
         vision = True if (recipe is not None or images) else why
     elif images:
         raise UsageFailure(f"--images: {type(loaded.model).__name__} is not a vision-language model "

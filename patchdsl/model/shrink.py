@@ -18,7 +18,7 @@ def shrink_composite(cfg, tiny_config):
     cfg.text_config = shrink_config(sub["text_config"], tiny_config)
     for k, c in sub.items():
         if k != "text_config":
-            setattr(cfg, k, _tiny_tower(c, cfg.text_config))
+            setattr(cfg, k, _tiny_tower(c, cfg.text_config, getattr(sub["text_config"], "hidden_size", None)))
     _fit_mrope(cfg.text_config)
     if isinstance(getattr(cfg, "mm_tokens_per_image", None), int):
         # Gemma 3: image tokens = (image_size / patch_size)^2 pooled to this many
@@ -88,13 +88,16 @@ def shrink_config(cfg, tiny_config):
     return new
 
 
-_TOWER_SIZES = (("hidden_size", 64), ("intermediate_size", 128), ("num_hidden_layers", 1), ("depth", 1),
+_TOWER_SIZES = (("hidden_size", 64), ("embed_dim", 64), ("intermediate_size", 128), ("num_hidden_layers", 1), ("depth", 1),
                 ("num_layers", 1), ("num_attention_heads", 2), ("num_heads", 2), ("num_key_value_heads", 2),
                 ("image_size", 32), ("patch_size", 8), ("num_global_layers", 1))
 
 
-def _tiny_tower(c, text):
-    """A vision/audio tower shrunk by its common size names (sizes it does not have are left)."""
+def _tiny_tower(c, text, text_hidden0=None):
+    """A vision/audio tower shrunk by its common size names (sizes it does not have are left).  A tower
+    whose own width is ``embed_dim`` and whose ``hidden_size`` is the language model's (Qwen2-VL: its
+    merger projects to the text width) gets the shrunk text width there (``text_hidden0``: the text
+    tower's width before shrinking)."""
     d = c.to_dict()
     layers0 = {k: d[k] for k in ("num_hidden_layers", "depth", "num_layers") if isinstance(d.get(k), int)}
     for k, v in _TOWER_SIZES:
@@ -109,6 +112,8 @@ def _tiny_tower(c, text):
     for k in ("out_hidden_size", "projection_dim", "text_hidden_size"):
         if isinstance(d.get(k), int):
             d[k] = text.hidden_size
+    if isinstance(d.get("embed_dim"), int) and text_hidden0 is not None and c.to_dict().get("hidden_size") == text_hidden0:
+        d["hidden_size"] = text.hidden_size      # Qwen2-VL: the vision merger's output is the text width
     for k in ("intermediate_layers_indices", "deepstack_visual_indexes", "fullatt_block_indexes"):
         if isinstance(d.get(k), list):
             d[k] = [0]
