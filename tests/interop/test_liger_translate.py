@@ -145,7 +145,7 @@ def test_swiglu_on_a_mixture_of_experts_takes_its_experts_and_relu_squared_the_r
     from ..moe_families import tiny_moe_model
 
     t = translate_liger(None, build_index(tiny_moe_model("qwen3_moe")))
-    assert ("swiglu", "*.experts: Experts -> fused_experts") in t.rules, t.rules
+    assert any(k == "swiglu" and r.endswith("experts: Experts -> fused_experts") for k, r in t.rules), t.rules
     from transformers import AutoConfig, AutoModelForCausalLM
     import torch
 

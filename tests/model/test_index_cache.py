@@ -35,7 +35,7 @@ def test_modules_that_differ_in_what_a_probe_reads_do_not_share_a_key():
     assert structure_key(a) == structure_key(b)
     assert structure_key(a) != structure_key(LlamaRMSNorm(16, eps=1e-6))        # an attribute
     assert structure_key(a) != structure_key(LlamaRMSNorm(32, eps=1e-5))        # a weight's shape
-    assert structure_key(a) != structure_key(a.to(torch.bfloat16))            # its dtype
+    assert structure_key(a) != structure_key(LlamaRMSNorm(16, eps=1e-5).to(torch.bfloat16))   # its dtype
     c = LlamaRMSNorm(16, eps=1e-5)
     c.layer_idx = 3
     assert structure_key(a) != structure_key(c)
