@@ -157,11 +157,12 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
             raise UsageFailure(f"{kernel_mapping}: {e}") from None
         return
     from ..model.index import build_index
-    from ..interop.liger import parse_liger_argument, translate_liger
+    from ..interop.liger import parse_liger_argument, text_model_type_of, translate_liger
 
     use, cfg = parse_liger_argument(liger)
     loaded = _load_model(model, meta=True, log=lambda m: None)
-    t = translate_liger(cfg, build_index(loaded.model), use_liger_kernel=use)
+    t = translate_liger(cfg, build_index(loaded.model), use_liger_kernel=use,
+                        text_model_type=text_model_type_of(loaded.model))
     if t.problems:
         raise UsageFailure("\nerror: ".join(t.problems) + "\nhint: turn those keys off (false) in the Liger config, "
                            "or follow the 'use ...' above; patchdsl does not drop them silently")
@@ -209,8 +210,10 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
         if recipe is not None and not images:
             from ..parity.images import image_batch_check
 
+            # only where the image batch ran: a vision rule verify cannot feed would fail as "did not run"
+            # (Qwen2-VL: its tiny vision tower was not tried, and verify of the suggestion FAILED)
             ok, why2 = image_batch_check(loaded.model.config)
-            recipe, why = (recipe, "") if ok is not False else (None, why2)
+            recipe, why = (recipe, "") if ok else (None, why2)
         vision = True if (recipe is not None or images) else why
     elif images:
         raise UsageFailure(f"--images: {type(loaded.model).__name__} is not a vision-language model "

@@ -200,6 +200,7 @@ def config_from_dict(d: dict):
     """A PretrainedConfig from a config.json dict, without remote code (auto_map is ignored)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    d = _special_floats(d)
     check_config_dict(d)
     d = {k: v for k, v in d.items() if k not in ("auto_map", "_name_or_path")}
     model_type = d["model_type"]
@@ -209,9 +210,40 @@ def config_from_dict(d: dict):
         raise ModelLoadError(f"model_type '{model_type}' is not known to transformers {_transformers_version()} "
                              f"(patchdsl does not run remote code)") from None
     try:
-        return cls.from_dict(d)
+        cfg = cls.from_dict(d)
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
         raise ModelLoadError(f"transformers refused this {model_type} config: {_one_line(e)}") from None
+    _implied_head_dim(cfg)
+    return cfg
+
+
+def _special_floats(d: dict) -> dict:
+    """Non-finite floats as transformers 5.2x writes them in a config.json (``{"__float__": "Infinity"}``:
+    Falcon-H1's ``time_step_limit``), read back as floats as transformers' own config loading does."""
+    def dec(o):
+        if isinstance(o, dict):
+            if len(o) == 1 and isinstance(o.get("__float__"), str) and o["__float__"] in ("Infinity", "-Infinity", "NaN"):
+                return float(o["__float__"].lower().replace("infinity", "inf"))
+            return {k: dec(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [dec(v) for v in o]
+        return o
+
+    return dec(d)
+
+
+def _implied_head_dim(cfg) -> None:
+    """Head sizes a config leaves None (transformers' default Hunyuan and Ministral configs: ``head_dim``;
+    Nemotron's: ``num_key_value_heads``) that the modelling code reads as they are: the hidden size / heads
+    and the heads (multi-head attention) they mean."""
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        heads = getattr(c, "num_attention_heads", None) if c is not None else None
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
+            continue
+        if "head_dim" in vars(c) and vars(c)["head_dim"] is None and isinstance(getattr(c, "hidden_size", None), int):
+            c.head_dim = c.hidden_size // heads
+        if "num_key_value_heads" in vars(c) and vars(c)["num_key_value_heads"] is None:
+            c.num_key_value_heads = heads
 
 
 def _transformers_version() -> str:
