@@ -243,18 +243,18 @@ def build_model(o: E2EOptions):
                         attn_implementation=o.attn, tiny=o.tiny, seed=o.seed, log=None)
         model, source = lm.model, lm.source
     except Exception as e:  # patchdsl.model missing or failing: the architecture from the constants
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from patchdsl.model.hf import build_model, default_config
 
         kw = dict(QWEN3_06B)
         if o.tiny:
             kw.update(TINY)
-        cfg = AutoConfig.for_model("qwen3", **kw)
+        cfg = default_config("qwen3", **kw)
         torch.manual_seed(o.seed)
         dev = torch.device(o.device)
         if dev.type == "cuda":
             torch.cuda.manual_seed_all(o.seed)
         with dev:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype(o.dtype), attn_implementation=o.attn)
+            model = build_model(cfg, dtype=torch_dtype(o.dtype), attn_implementation=o.attn)
         source = f"qwen3 from built-in hyperparameters ({type(e).__name__} from patchdsl.model: {e})"
     model.config.use_cache = False
     return model, source
