@@ -101,11 +101,10 @@ def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | No
     """Write every kernel the plan needs into OUT, for reading."""
     from ..codegen.cache import write_kernel
 
+    if files.exists(out):           # a file, FIFO or device there: refused before the plan
+        files.check_folder(out, what="--out", create=False)
     p, _ = _plan(spec, model, dtype, target)
-    try:
-        Path(out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageFailure(f"cannot create '{out}': {e.strerror or e}") from None
+    files.check_folder(out, what="--out")
     umask = os.umask(0)
     os.umask(umask)
     written = []
@@ -200,6 +199,8 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
     from ..parity.images import plan_recipe
     from ..planning.suggestion import suggest as run_suggest
 
+    if out:
+        files.check_writable(out, what="--out")       # before the work: a FIFO, device or folder is refused now
     loaded = _load_model(model, meta=True, log=lambda m: None)
     vision: bool | str | None = None
     if images is not False and getattr(loaded.model.config, "vision_config", None) is not None:
@@ -217,10 +218,7 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
                            "(its config has no vision_config)")
     s = run_suggest(loaded.model, name=model, images=vision)
     if out:
-        try:
-            Path(out).write_text(s.text)
-        except OSError as e:
-            raise UsageFailure(f"cannot write '{out}': {e.strerror or e}") from None
+        files.write_text(out, s.text, what="--out")
         a = s.counts()
         click.echo(f"wrote {out}: " + "; ".join(f"{p}/{n} {c}" for c, (p, n) in a.items() if n), err=True)
     else:
@@ -251,6 +249,8 @@ def maintenance_tool(module: str, command: str):
 def census_cmd(families, no_verify: bool, out: str, sample: bool) -> None:
     """Coverage census: every causal-LM family of the installed transformers (or FAMILIES), tiny config, suggest, plan, verify."""
     census_main = maintenance_tool("census", "census").main
+    if out != "-":
+        files.check_writable(out, what="--out")
     args = list(families) + (["--no-verify"] if no_verify else []) + ["--out", out] + (["--sample"] if sample else [])
     sys.exit(census_main(args))
 

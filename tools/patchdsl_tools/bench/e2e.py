@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from patchdsl.util import files
 from patchdsl.util.vocab import torch_dtype
 from . import timing
 
@@ -515,9 +516,7 @@ def worker_main(req_path: str, out_path: str) -> int:
         rec["env"] = environment(o.device)
     except Exception as e:  # pragma: no cover - the record matters more than its environment
         rec["env"] = {"error": _first_line(e)}
-    tmp = Path(out_path + ".tmp")
-    tmp.write_text(json.dumps(_finite(rec), indent=1))
-    os.replace(tmp, out_path)
+    files.write_text(out_path, json.dumps(_finite(rec), indent=1), what="row record")
     return 0
 
 
@@ -595,7 +594,8 @@ def _spawn_row(o: E2EOptions, row: Row, micro: int, timeout_s: float, workdir: P
     out = workdir / f"row{idx}-mb{micro}.out.json"
     opts = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(o).items()}
     opts.update(json_path=None, budget_s=1e9)
-    req.write_text(json.dumps({"options": opts, "row": {k: v for k, v in asdict(row).items()}, "micro": micro}))
+    files.write_text(req, json.dumps({"options": opts, "row": {k: v for k, v in asdict(row).items()}, "micro": micro}),
+                     what="row request")
     env = dict(os.environ)
     root = _package_root()      # the worker imports the same patchdsl as this process
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -354,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                        "versions": {"torch": torch.__version__, "triton": _ver("triton"),
                                     "transformers": _ver("transformers")},
                        "variants": results, "judged": rows, "passed": passed}
-                Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(a.out).write_text(json.dumps(doc, indent=1))
+                from patchdsl.util import files
+
+                files.write_text(a.out, json.dumps(doc, indent=1), what="--out", parents=True)
         return 0 if passed else 1
     finally:
         dist.destroy_process_group()
