@@ -91,7 +91,7 @@ def plan(spec: str, model: str, dtype: str | None, target: str | None, sites: bo
 @main.command()
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the generated kernels.")
+@click.option("--out", "out", required=True, metavar="DIR", help="Folder for the generated kernels.")
 @click.option("--dtype", type=DTYPE_CHOICE, help="Override the spec's dtype directive.")
 @click.option("--target", type=TARGET_CHOICE,
               help="Kernel target (default: cuda with a GPU, else the Triton interpreter).")
@@ -190,7 +190,7 @@ def inspect_cmd(model: str, everything: bool, no_fold: bool, as_json: bool) -> N
 
 @main.command("suggest")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
-@click.option("--out", "out", type=click.Path(dir_okay=False), help="Write the spec to this file (default: print it).")
+@click.option("--out", "out", metavar="FILE", help="Write the spec to this file (default: print it).")
 @click.option("--images/--text-only", "images", default=None,
               help="Vision-language models: include the vision tower's rules (verify feeds it an image batch) "
                    "or leave it out (default: included when an image batch can be built from the config).")

@@ -30,7 +30,7 @@ from .commands import print_plan
               help="AdamW learning rate of both runs.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the weights and the batches.")
 @json_option
-@click.option("--json-out", "json_out", type=click.Path(dir_okay=False),
+@click.option("--json-out", "json_out", metavar="FILE",
               help="Also write the JSON document to this file.")
 @include_dir_option
 def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json, json_out) -> None:

@@ -214,7 +214,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         log(source)
         return LoadedModel(model, source, has_weights, model.config)
 
-    def from_config(cfg_dict: dict, where: str, why: str | None) -> LoadedModel:
+    def architecture(cfg_dict: dict, where: str, why: str | None) -> LoadedModel:
         where_ = where if local else f"{spec_s} ({where})"        # what an error names
         cfg = config_from_dict(cfg_dict, where_)
         cfg._name_or_path = spec_s
@@ -272,7 +272,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         cfg_dict = _read_config_dict(cfg_path)
         if want_weights and cfg_path.name == "config.json" and _has_weights(directory):
             return pretrained(str(directory), cfg_dict, str(cfg_path), True, f"{spec_s}: pretrained weights from {directory}")
-        return from_config(cfg_dict, str(cfg_path), None)
+        return architecture(cfg_dict, str(cfg_path), None)
     if not hub_shaped:
         raise ModelLoadError(f"no such file or directory: '{show(spec_s)}' (pass a model directory, a config.json "
                              f"path, or a Hub id such as {shipped_models()[0] if shipped_models() else 'org/name'})")
@@ -306,10 +306,10 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
     # 4. the architecture alone: cached config.json, shipped config, (online) the Hub's config.json
     cached_cfg = _cached(hub_id, "config.json")
     if cached_cfg:
-        return from_config(_read_config_dict(Path(cached_cfg)), "its cached config.json", why)
+        return architecture(_read_config_dict(Path(cached_cfg)), "its cached config.json", why)
     shipped = shipped_config_path(hub_id)
     if shipped is not None:
-        return from_config(_read_config_dict(shipped), "its shipped config", why)
+        return architecture(_read_config_dict(shipped), "its shipped config", why)
     hub_problem = None
     if not offline:
         hub_problem = _hub_reachable(hub_id)
@@ -318,7 +318,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
                 from huggingface_hub import hf_hub_download
 
                 p = hf_hub_download(hub_id, "config.json", etag_timeout=PROBE_TIMEOUT_S)
-                return from_config(_read_config_dict(Path(p)), "its config.json from the Hub", why)
+                return architecture(_read_config_dict(Path(p)), "its config.json from the Hub", why)
             except Exception as e:  # noqa: BLE001 - any Hub failure means "not available"
                 hub_problem = one_line(e)
     from ..util.files import show

@@ -385,7 +385,7 @@ def write_kernel_repo(root: str | Path, name: str, layers_source: str, *, versio
     root = Path(root)
     pkg = name.replace("-", "_")
     variant = root / "build" / "torch-universal"
-    (variant / pkg).mkdir(parents=True, exist_ok=True)
+    files.check_folder(variant / pkg, what="kernel package folder")
     digest = hashlib.sha256(layers_source.encode()).hexdigest()[:12]
     files.write_text(variant / "metadata.json", json.dumps({
         "id": f"{pkg}_{digest}", "name": name, "version": version, "license": "apache-2.0",

@@ -280,7 +280,7 @@ class FileWriteError(ValueError):
 
 
 def _kind_of(mode: int) -> str:
-    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+    return ("a folder" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
             else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
 
@@ -333,7 +333,25 @@ def check_writable(path: str | os.PathLike, *, what: str = "file") -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise FileWriteError(f"cannot write {what} '{shown}': permission denied (its folder '{show(folder)}' is "
                              f"not writable)", "not-writable", shown)
+    _probe(folder, what, shown)
     return target
+
+
+def _probe(folder: Path, what: str, shown: str) -> None:
+    """Make and remove a new file in ``folder``: the one sure test that a file can be written there
+    (``os.access`` says yes to root on a read-only or pseudo file system such as /proc)."""
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".patchdsl-probe.", dir=folder)
+    except OSError as e:
+        raise FileWriteError(f"cannot write {what} '{shown}': no new file can be made in its folder "
+                             f"'{show(folder)}' ({_os_reason(e)})", "not-writable", shown) from None
+    os.close(fd)
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
 
 
 def check_folder(path: str | os.PathLike, *, what: str = "folder", create: bool = True) -> Path:

@@ -190,9 +190,9 @@ def run(argv: list[str]) -> int:
     try:
         # every output is written by patchdsl.util.files; the files named here are checked before the
         # benchmarks run (a FIFO, a device, a folder or an unwritable file: exit 2 now, not after the runs)
-        for opt in ("json", "png"):
+        for opt in ("json", "png", "txt"):
             f = getattr(a, opt, None)
-            if f and files.exists(f) or f and os.path.islink(f):
+            if f and (files.exists(f) or os.path.islink(f)):
                 files.check_writable(f, what=f"--{'json-out' if opt == 'json' else opt}")
         if getattr(a, "out", None) and files.exists(a.out):
             files.check_folder(a.out, what="--out", create=False)

@@ -57,8 +57,7 @@ def _save(fig: Any, plt: Any, path: str | Path) -> str:
     from patchdsl.util import files
 
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf := io.BytesIO(), format="png", dpi=90)
     plt.close(fig)
     files.write_bytes(path, buf.getvalue(), what="plot", parents=True)
     return str(Path(path))
