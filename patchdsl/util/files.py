@@ -324,7 +324,7 @@ def check_writable(path: str | os.PathLike, *, what: str = "file") -> Path:
     try:
         fst = os.stat(folder)
     except FileNotFoundError:
-        raise FileWriteError(f"cannot write {what} '{shown}': its folder '{show(folder)}' does not exist",
+        raise FileWriteError(f"cannot write {what} '{shown}': its folder does not exist ({show(folder)})",
                              "no-folder", shown) from None
     except OSError as e:
         raise FileWriteError(f"cannot write {what} '{shown}': {_os_reason(e)}", "os", shown) from None
