@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from ..util.vocab import DTYPE_ALIASES, DTYPES, TORCH_NAMES
 from .hf import (KERNEL_LIMITS, MAX_SIZE, NUMBER_KEYS, POSITIVE_KEYS, ROPE_KEYS, SIZE_KEYS,  # noqa: F401 (re-exported)
-                 ModelLoadError, auto_class, build_model, check_config_dict, check_fits, config_from_dict,
+                 ModelLoadError, build_model, check_config_dict, check_fits, config_from_dict,
                  eager_experts_if_misaligned, load_pretrained, one_line, remote_code_note)
 from .shrink import _describe_sizes, _describe_tiny, tiny_config
 
