@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from .._version import __version__
-from ..util.files import FileReadError
+from ..util.files import FileReadError, FileWriteError
 from ..syntax.errors import SpecError
 from ..util.vocab import DTYPES, TARGETS
 
@@ -83,6 +83,8 @@ class _Group(click.Group):
         except FileNotFoundError as e:
             fail(f"error: {e}", "input")
         except FileReadError as e:           # an untrusted file that cannot be read (patchdsl.util.files)
+            fail(f"error: {e}", "input")
+        except FileWriteError as e:          # an output that cannot be written: FIFO, device, folder, unwritable
             fail(f"error: {e}", "input")
         except click.UsageError as e:        # a bad option: click's message, exit 2 (and the JSON document)
             _json_error(ctx, e.format_message(), EXIT_BAD_INPUT, "usage")

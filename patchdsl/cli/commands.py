@@ -91,7 +91,7 @@ def plan(spec: str, model: str, dtype: str | None, target: str | None, sites: bo
 @main.command()
 @click.argument("spec")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the generated kernels.")
+@click.option("--out", "out", required=True, metavar="DIR", help="Folder for the generated kernels.")
 @click.option("--dtype", type=DTYPE_CHOICE, help="Override the spec's dtype directive.")
 @click.option("--target", type=TARGET_CHOICE,
               help="Kernel target (default: cuda with a GPU, else the Triton interpreter).")
@@ -101,11 +101,10 @@ def codegen(spec: str, model: str, out: str, dtype: str | None, target: str | No
     """Write every kernel the plan needs into OUT, for reading."""
     from ..codegen.cache import write_kernel
 
+    if files.exists(out):           # a file, FIFO or device there: refused before the plan
+        files.check_folder(out, what="--out", create=False)
     p, _ = _plan(spec, model, dtype, target)
-    try:
-        Path(out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageFailure(f"cannot create '{out}': {e.strerror or e}") from None
+    files.check_folder(out, what="--out")
     umask = os.umask(0)
     os.umask(umask)
     written = []
@@ -192,7 +191,7 @@ def inspect_cmd(model: str, everything: bool, no_fold: bool, as_json: bool) -> N
 
 @main.command("suggest")
 @click.option("--model", "-m", required=True, help="Hub id, local folder with config.json, or path to a config.json (no weights: random, built from the config).")
-@click.option("--out", "out", type=click.Path(dir_okay=False), help="Write the spec to this file (default: print it).")
+@click.option("--out", "out", metavar="FILE", help="Write the spec to this file (default: print it).")
 @click.option("--images/--text-only", "images", default=None,
               help="Vision-language models: include the vision tower's rules (verify feeds it an image batch) "
                    "or leave it out (default: included when an image batch can be built from the config).")
@@ -201,6 +200,8 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
     from ..parity.images import plan_recipe
     from ..planning.suggestion import suggest as run_suggest
 
+    if out:
+        files.check_writable(out, what="--out")       # before the work: a FIFO, device or folder is refused now
     loaded = _load_model(model, meta=True, log=lambda m: None)
     vision: bool | str | None = None
     if images is not False and getattr(loaded.model.config, "vision_config", None) is not None:
@@ -220,10 +221,7 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
                            "(its config has no vision_config)")
     s = run_suggest(loaded.model, name=model, images=vision)
     if out:
-        try:
-            Path(out).write_text(s.text)
-        except OSError as e:
-            raise UsageFailure(f"cannot write '{out}': {e.strerror or e}") from None
+        files.write_text(out, s.text, what="--out")
         a = s.counts()
         click.echo(f"wrote {out}: " + "; ".join(f"{p}/{n} {c}" for c, (p, n) in a.items() if n), err=True)
     else:
@@ -254,6 +252,8 @@ def maintenance_tool(module: str, command: str):
 def census_cmd(families, no_verify: bool, out: str, sample: bool) -> None:
     """Coverage census: every causal-LM family of the installed transformers (or FAMILIES), tiny config, suggest, plan, verify."""
     census_main = maintenance_tool("census", "census").main
+    if out != "-":
+        files.check_writable(out, what="--out")
     args = list(families) + (["--no-verify"] if no_verify else []) + ["--out", out] + (["--sample"] if sample else [])
     sys.exit(census_main(args))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import click
 
@@ -31,7 +30,7 @@ from .commands import print_plan
               help="AdamW learning rate of both runs.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the weights and the batches.")
 @json_option
-@click.option("--json-out", "json_out", type=click.Path(dir_okay=False),
+@click.option("--json-out", "json_out", metavar="FILE",
               help="Also write the JSON document to this file.")
 @include_dir_option
 def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json, json_out) -> None:
@@ -53,9 +52,8 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     def say(line: str = "") -> None:
         click.echo(line, err=as_json)
 
-    if json_out and files.exists(json_out) and not files.is_file(json_out):
-        raise UsageFailure(f"--json-out {files.show(json_out)}: not a regular file (a FIFO or a device would block "
-                           f"or swallow the results)")
+    if json_out:     # before the runs: a FIFO, a device, a folder or an unwritable file is refused now
+        files.check_writable(json_out, what="--json-out")
     device = _device(device)
     on_gpu = device.startswith("cuda")
     dtype = dtype or _default_dtype(device)
@@ -130,10 +128,7 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     if as_json:
         click.echo(json.dumps(doc, indent=2, default=str))
     if json_out:
-        try:
-            Path(json_out).write_text(json.dumps(doc, indent=2, default=str))
-        except OSError as e:
-            raise UsageFailure(f"cannot write --json-out {files.show(json_out)}: {e.strerror or e}") from None
+        files.write_text(json_out, json.dumps(doc, indent=2, default=str), what="--json-out")
     handle.undo()
     if code != EXIT_OK:
         sys.exit(code)

@@ -22,14 +22,15 @@ dtype: ``None`` means the checkpoint's own dtype for loaded weights and the conf
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from ..util.vocab import DTYPE_ALIASES, DTYPES, TORCH_NAMES
+from .hf import (KERNEL_LIMITS, MAX_SIZE, NUMBER_KEYS, POSITIVE_KEYS, ROPE_KEYS, SIZE_KEYS,  # noqa: F401 (re-exported)
+                 ModelLoadError, build_model, check_config_dict, check_fits, config_from_dict,
+                 eager_experts_if_misaligned, load_pretrained, one_line, remote_code_note)
 from .shrink import _describe_sizes, _describe_tiny, tiny_config
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -43,10 +44,6 @@ _LOAD_ALIASES = {**DTYPE_ALIASES, "f32": "fp32", "f16": "fp16"}
 _DTYPES = {n: TORCH_NAMES[_LOAD_ALIASES.get(n, n)] for n in (*DTYPES, *_LOAD_ALIASES)}
 
 
-
-
-class ModelLoadError(ValueError):
-    """The model spec could not be resolved to weights or an architecture."""
 
 
 @dataclass
@@ -113,145 +110,6 @@ def _read_config_dict(path: Path) -> dict:
     return d
 
 
-# config.json fields that are sizes (positive integers) and epsilons / bases (finite numbers >= 0)
-SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
-             "vocab_size", "head_dim", "max_position_embeddings", "moe_intermediate_size", "num_experts",
-             "num_local_experts", "num_experts_per_tok", "sliding_window", "query_pre_attn_scalar")
-NUMBER_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "partial_rotary_factor",
-               "final_logit_softcapping", "attn_logit_softcapping", "logits_scaling", "initializer_range")
-POSITIVE_KEYS = ("rope_theta",)        # of NUMBER_KEYS (also inside rope_parameters / rope_scaling): > 0
-ROPE_KEYS = ("rope_parameters", "rope_scaling")
-MAX_SIZE = 2 ** 31 - 1
-# Sizes the generated kernels take (docs/reliability.md, "Bad model configs"):
-#   head_dim: the RoPE and q/k-norm kernels hold whole heads of a token in one tile of
-#     tokens_per_program x heads x head_dim/2 (padded to powers of two); Triton's largest tile is 2**20 elements.
-#   vocab_size: the cross-entropy kernels scale gradient rows on a grid whose second axis is
-#     vocab / 4096 programs, and a CUDA grid's second axis has at most 65,535.
-KERNEL_LIMITS = {"head_dim": 1024, "vocab_size": 65535 * 4096}
-
-
-def _finite(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def _check_rope(r: Any, where: str, path: str, depth: int = 0) -> None:
-    """Every number of a rope_parameters / rope_scaling object (nested per layer type in Gemma 3) is
-    finite; rope_theta and the scaling factors are > 0."""
-    if not isinstance(r, dict):
-        return
-    for k, v in r.items():
-        name = f'{where}: "{path}.{k}"'
-        if isinstance(v, dict) and depth < 2:
-            _check_rope(v, where, f"{path}.{k}", depth + 1)
-        elif isinstance(v, list):
-            if not all(_finite(x) for x in v):
-                raise ModelLoadError(f"{name} must be a list of finite numbers")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            if not math.isfinite(v):
-                raise ModelLoadError(f"{name} must be a finite number, got {json.dumps(v)}")
-            if (k == "rope_theta" or k.endswith("factor")) and v <= 0:
-                raise ModelLoadError(f"{name} must be > 0, got {json.dumps(v)[:40]}")
-
-
-def check_config_dict(d: dict, where: str = "config.json") -> None:
-    """Refuse sizes that are not positive integers (strings, fractions, negatives, zero, true/false)
-    and numbers that are not finite, with the field's name; nested ``*_config`` objects too.  Also
-    refused, naming the field: query heads that are not a multiple of the key/value heads, a RoPE
-    base (rope_theta, top level or in rope_parameters / rope_scaling) that is not > 0, and sizes
-    above what the kernels take (``KERNEL_LIMITS``)."""
-    if not isinstance(d.get("model_type"), str):
-        raise ModelLoadError(f"{where}: \"model_type\" must be a string")
-    for k in SIZE_KEYS:
-        if k not in d or d[k] is None:
-            continue
-        v = d[k]
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_SIZE:
-            raise ModelLoadError(f"{where}: \"{k}\" must be a positive integer (at most {MAX_SIZE}), "
-                                 f"got {json.dumps(v)[:40]}")
-    for k in NUMBER_KEYS:
-        if k not in d or d[k] is None:
-            continue
-        v = d[k]
-        if not _finite(v) or v < 0 or (k in POSITIVE_KEYS and v == 0):
-            raise ModelLoadError(f"{where}: \"{k}\" must be a finite number {'> 0' if k in POSITIVE_KEYS else '>= 0'}, "
-                                 f"got {json.dumps(v)[:40]}")
-    for k in ROPE_KEYS:
-        _check_rope(d.get(k), where, k)
-    heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
-    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
-        raise ModelLoadError(f"{where}: \"num_attention_heads\" ({heads}) must be a multiple of "
-                             f"\"num_key_value_heads\" ({kv}): each key/value head serves a whole group of query heads")
-    head_dim = d.get("head_dim")
-    if head_dim is None and isinstance(heads, int) and isinstance(d.get("hidden_size"), int):
-        head_dim = d["hidden_size"] // heads
-    sizes = {"head_dim": head_dim, "vocab_size": d.get("vocab_size")}
-    for k, limit in KERNEL_LIMITS.items():
-        v = sizes[k]
-        if isinstance(v, int) and v > limit:
-            field = k if k in d else f"{k} (hidden_size / num_attention_heads)"
-            raise ModelLoadError(f"{where}: \"{field}\" is {v:,}, above what patchdsl's kernels take "
-                                 f"(at most {limit:,}; docs/reliability.md)")
-    for k, v in d.items():
-        if k.endswith("_config") and isinstance(v, dict) and "model_type" in v:
-            check_config_dict(v, f"{where} ({k})")
-
-
-def config_from_dict(d: dict):
-    """A PretrainedConfig from a config.json dict, without remote code (auto_map is ignored)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    d = _special_floats(d)
-    check_config_dict(d)
-    d = {k: v for k, v in d.items() if k not in ("auto_map", "_name_or_path")}
-    model_type = d["model_type"]
-    try:
-        cls = CONFIG_MAPPING[model_type]
-    except KeyError:
-        raise ModelLoadError(f"model_type '{model_type}' is not known to transformers {_transformers_version()} "
-                             f"(patchdsl does not run remote code)") from None
-    try:
-        cfg = cls.from_dict(d)
-    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
-        raise ModelLoadError(f"transformers refused this {model_type} config: {_one_line(e)}") from None
-    _implied_head_dim(cfg)
-    return cfg
-
-
-def _special_floats(d: dict) -> dict:
-    """Non-finite floats as transformers 5.2x writes them in a config.json (``{"__float__": "Infinity"}``:
-    Falcon-H1's ``time_step_limit``), read back as floats as transformers' own config loading does."""
-    def dec(o):
-        if isinstance(o, dict):
-            if len(o) == 1 and isinstance(o.get("__float__"), str) and o["__float__"] in ("Infinity", "-Infinity", "NaN"):
-                return float(o["__float__"].lower().replace("infinity", "inf"))
-            return {k: dec(v) for k, v in o.items()}
-        if isinstance(o, list):
-            return [dec(v) for v in o]
-        return o
-
-    return dec(d)
-
-
-def _implied_head_dim(cfg) -> None:
-    """Head sizes a config leaves None (transformers' default Hunyuan and Ministral configs: ``head_dim``;
-    Nemotron's: ``num_key_value_heads``) that the modelling code reads as they are: the hidden size / heads
-    and the heads (multi-head attention) they mean."""
-    for c in (cfg, getattr(cfg, "text_config", None)):
-        heads = getattr(c, "num_attention_heads", None) if c is not None else None
-        if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
-            continue
-        if "head_dim" in vars(c) and vars(c)["head_dim"] is None and isinstance(getattr(c, "hidden_size", None), int):
-            c.head_dim = c.hidden_size // heads
-        if "num_key_value_heads" in vars(c) and vars(c)["num_key_value_heads"] is None:
-            c.num_key_value_heads = heads
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
-
-
 def _has_weights(directory: Path) -> bool:
     from ..util.files import is_file
 
@@ -270,12 +128,6 @@ def _cached(hub_id: str, filename: str) -> str | None:
     return r if isinstance(r, str) and os.path.isfile(r) else None
 
 
-def _one_line(e: BaseException, limit: int = 160) -> str:
-    text = str(e).strip().splitlines()
-    msg = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-    return msg if len(msg) <= limit else msg[:limit - 3] + "..."
-
-
 def _hub_reachable(hub_id: str) -> str | None:
     """None when the Hub answers for hub_id's config.json within PROBE_TIMEOUT_S, else the reason."""
     try:
@@ -284,7 +136,7 @@ def _hub_reachable(hub_id: str) -> str | None:
         get_hf_file_metadata(hf_hub_url(hub_id, "config.json"), timeout=PROBE_TIMEOUT_S)
         return None
     except Exception as e:  # network down, unknown or gated repo, bad id ...
-        return _one_line(e)
+        return one_line(e)
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -293,63 +145,56 @@ def _looks_like_path(spec: str) -> bool:
             or "\\" in spec or (os.altsep is not None and os.altsep in spec))
 
 
-# ---------------------------------------------------------------- tiny configs
-def _from_pretrained(where: str, *, dtype, device: str, attn_implementation, local_only: bool):
+# ---------------------------------------------------------------- building
+def _run_dtype(cfg, dtype, tiny: bool):
+    """The dtype a model is built in: ``dtype``, else float32 for a tiny build, else the config's own."""
     import torch
 
-    kw: dict[str, Any] = {"dtype": "auto" if dtype is None else dtype, "trust_remote_code": False,
-                          "local_files_only": local_only}
+    if dtype is None or dtype == "auto":
+        cd = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        return torch.float32 if tiny or cd is None else parse_dtype(str(cd))
+    return dtype
+
+
+def _from_pretrained(where: str, cfg, *, dtype, device: str, attn_implementation, local_only: bool, what: str):
+    """The weights of ``where`` into the model of ``cfg`` (checked by :func:`config_from_dict`, and
+    its size against the free memory first), never remote code (:mod:`.hf`)."""
+    import torch
+
+    check_fits(cfg, _run_dtype(cfg, dtype, False), device, what)
+    kw: dict[str, Any] = {"dtype": "auto" if dtype is None else dtype, "local_files_only": local_only}
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     dev = torch.device(device)
     if dev.type != "cpu":
         kw["device_map"] = str(dev)
-    from transformers import AutoConfig
-
-    model = _auto_class(AutoConfig.from_pretrained(where, local_files_only=local_only)).from_pretrained(where, **kw)
+    model = load_pretrained(where, cfg, **kw)
     if dev.type != "cpu" and next(model.parameters()).device != dev:
         model = model.to(dev)
     return model
 
 
-def _auto_class(cfg):
-    """The auto class that builds ``cfg``: the causal LM, or for a vision-language model type without
-    one (Qwen2.5-VL, Qwen3-VL, Llava, PaliGemma) its image-text-to-text model (``...ForConditionalGeneration``;
-    Gemma 3's causal-LM mapping already names it)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto import modeling_auto as ma
-
-    if (cfg.model_type not in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-            and cfg.model_type in getattr(ma, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {})):
-        from transformers import AutoModelForImageTextToText
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
-
-
-def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_implementation):
+def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_implementation, where: str):
     import torch
 
-    AutoModelForCausalLM = _auto_class(cfg)
-
-    if dtype is None or dtype == "auto":
-        cd = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-        dtype = torch.float32 if tiny or cd is None else parse_dtype(str(cd))
+    dtype = _run_dtype(cfg, dtype, tiny)
     kw: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     if meta:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg, **kw)
-    torch.manual_seed(seed)
+            return build_model(cfg, **kw)
     dev = torch.device(device)
+    check_fits(cfg, dtype, "cpu" if tiny else dev, where)
+    torch.manual_seed(seed)
     if tiny or dev.type == "cpu":
         # tiny: initialise on the CPU so that every device starts from the same weights
-        model = AutoModelForCausalLM.from_config(cfg, **kw)
+        model = build_model(cfg, **kw)
         return model.to(dev) if dev.type != "cpu" else model
     if dev.type == "cuda":
         torch.cuda.manual_seed_all(seed)
     with dev:
-        return AutoModelForCausalLM.from_config(cfg, **kw)
+        return build_model(cfg, **kw)
 
 
 def _materialise(model, device: str, seed: int):
@@ -406,21 +251,23 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         log(source)
         return LoadedModel(model, source, has_weights, model.config, kept)
 
-    def from_config(cfg_dict: dict, where: str, why: str | None) -> LoadedModel:
-        cfg = config_from_dict(cfg_dict)
+    def architecture(cfg_dict: dict, where: str, why: str | None) -> LoadedModel:
+        where_ = where if local else f"{spec_s} ({where})"        # what an error names
+        cfg = config_from_dict(cfg_dict, where_)
         cfg._name_or_path = spec_s
         if tiny:
             full, cfg = cfg, tiny_config(cfg)
+        note = remote_code_note(cfg_dict) + eager_experts_if_misaligned(cfg)
         try:
             # layers=N: built on the meta device, cut, and only what is kept materialised
             model = _build(cfg, dtype=dtype, device=device, meta=meta or layers is not None, tiny=tiny, seed=seed,
-                           attn_implementation=attn_implementation)
+                           attn_implementation=attn_implementation, where=where_)
             if layers is not None and _cut(model, layers) and not meta:
                 model = _materialise(model, device, seed)
         except ModelLoadError:
             raise
         except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, OverflowError, ZeroDivisionError) as e:
-            raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {_one_line(e)}") \
+            raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {one_line(e)}") \
                 from None
         if tiny:
             what = f"{_describe_tiny(cfg)}, shrunk from {_describe_sizes(full)} in {where}"
@@ -434,7 +281,16 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         else:
             msg = (f"no weights for {spec_s} here{why or ''}: built the architecture from {where} "
                    f"with random weights (seed {seed})")
-        return done(model, msg, False)
+        return done(model, msg + note, False)
+
+    def pretrained(where: str, cfg_dict: dict, cfg_where: str, local_only: bool, source: str) -> LoadedModel:
+        cfg_where = cfg_where if local else f"{where} ({cfg_where})"
+        cfg = config_from_dict(cfg_dict, cfg_where)
+        cfg._name_or_path = where
+        note = remote_code_note(cfg_dict) + eager_experts_if_misaligned(cfg)
+        model = _from_pretrained(where, cfg, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                                 local_only=local_only, what=cfg_where)
+        return done(model, source + note, True)
 
     # 1. local directory or config.json
     hub_shaped = not _looks_like_path(spec_s)
@@ -455,10 +311,8 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
             directory, cfg_path = path.parent, path
         cfg_dict = _read_config_dict(cfg_path)
         if want_weights and cfg_path.name == "config.json" and _has_weights(directory):
-            model = _from_pretrained(str(directory), dtype=dtype, device=device,
-                                     attn_implementation=attn_implementation, local_only=True)
-            return done(model, f"{spec_s}: pretrained weights from {directory}", True)
-        return from_config(cfg_dict, str(cfg_path), None)
+            return pretrained(str(directory), cfg_dict, str(cfg_path), True, f"{spec_s}: pretrained weights from {directory}")
+        return architecture(cfg_dict, str(cfg_path), None)
     if not hub_shaped:
         raise ModelLoadError(f"no such file or directory: '{show(spec_s)}' (pass a model directory, a config.json "
                              f"path, or a Hub id such as {shipped_models()[0] if shipped_models() else 'org/name'})")
@@ -471,30 +325,31 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         cached_cfg = _cached(hub_id, "config.json")
         if cached_cfg and any(_cached(hub_id, f) for f in WEIGHT_FILES):
             try:
-                model = _from_pretrained(hub_id, dtype=dtype, device=device,
-                                         attn_implementation=attn_implementation, local_only=True)
-                return done(model, f"{hub_id}: pretrained weights from the local Hugging Face cache", True)
+                return pretrained(hub_id, _read_config_dict(Path(cached_cfg)), "its cached config.json", True,
+                                  f"{hub_id}: pretrained weights from the local Hugging Face cache")
             except OSError as e:        # e.g. an incomplete sharded download
-                why = f" (the cached weights did not load: {_one_line(e)})"
+                why = f" (the cached weights did not load: {one_line(e)})"
         if why is None and not offline:
             problem = _hub_reachable(hub_id)
             if problem is None:
                 try:
-                    model = _from_pretrained(hub_id, dtype=dtype, device=device,
-                                             attn_implementation=attn_implementation, local_only=False)
-                    return done(model, f"{hub_id}: pretrained weights from the Hugging Face Hub", True)
+                    from huggingface_hub import hf_hub_download
+
+                    p = hf_hub_download(hub_id, "config.json", etag_timeout=PROBE_TIMEOUT_S)
+                    return pretrained(hub_id, _read_config_dict(Path(p)), "its config.json from the Hub", False,
+                                      f"{hub_id}: pretrained weights from the Hugging Face Hub")
                 except OSError as e:
-                    why = f" (download failed: {_one_line(e)})"
+                    why = f" (download failed: {one_line(e)})"
             else:
                 why = f" (not from the Hub: {problem})"
 
     # 4. the architecture alone: cached config.json, shipped config, (online) the Hub's config.json
     cached_cfg = _cached(hub_id, "config.json")
     if cached_cfg:
-        return from_config(_read_config_dict(Path(cached_cfg)), "its cached config.json", why)
+        return architecture(_read_config_dict(Path(cached_cfg)), "its cached config.json", why)
     shipped = shipped_config_path(hub_id)
     if shipped is not None:
-        return from_config(_read_config_dict(shipped), "its shipped config", why)
+        return architecture(_read_config_dict(shipped), "its shipped config", why)
     hub_problem = None
     if not offline:
         hub_problem = _hub_reachable(hub_id)
@@ -503,9 +358,9 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
                 from huggingface_hub import hf_hub_download
 
                 p = hf_hub_download(hub_id, "config.json", etag_timeout=PROBE_TIMEOUT_S)
-                return from_config(_read_config_dict(Path(p)), "its config.json from the Hub", why)
+                return architecture(_read_config_dict(Path(p)), "its config.json from the Hub", why)
             except Exception as e:  # noqa: BLE001 - any Hub failure means "not available"
-                hub_problem = _one_line(e)
+                hub_problem = one_line(e)
     from ..util.files import show
 
     hub_note = ("the Hub was not tried (HF_HUB_OFFLINE is set)" if offline

@@ -27,11 +27,10 @@ def short_error(e: BaseException, n: int = 120) -> str:
 
 def tiny_family_config(model_type: str):
     """The family's default config, shrunk (raises when the family has no config that shrinks)."""
-    from transformers import AutoConfig
-
+    from .hf import default_config
     from .shrink import tiny_config
 
-    cfg = AutoConfig.for_model(model_type)
+    cfg = default_config(model_type)
     if getattr(cfg, "text_config", None) is not None and hasattr(cfg.text_config, "to_dict"):
         cfg = shrink_composite(cfg, tiny_config)
     else:
@@ -50,14 +49,11 @@ def tiny_family_config(model_type: str):
 def build(cfg, seed: int = 0):
     """The family's causal LM (its image-text-to-text model for a vision-language family), fp32, CPU."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from .hf import build_model
 
     torch.manual_seed(seed)
-    if cfg.model_type in vl_families():
-        from transformers import AutoModelForImageTextToText
-
-        return AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    return build_model(cfg, attn_implementation="eager", dtype=torch.float32)
 
 
 MAX_TINY_PARAMS = 40_000_000      # 160 MB in fp32; a tiny config is far below (Qwen3's: 0.2M)

@@ -380,14 +380,16 @@ def write_kernel_repo(root: str | Path, name: str, layers_source: str, *, versio
     """
     import json
 
+    from ..util import files
+
     root = Path(root)
     pkg = name.replace("-", "_")
     variant = root / "build" / "torch-universal"
-    (variant / pkg).mkdir(parents=True, exist_ok=True)
+    files.check_folder(variant / pkg, what="kernel package folder")
     digest = hashlib.sha256(layers_source.encode()).hexdigest()[:12]
-    (variant / "metadata.json").write_text(json.dumps({
+    files.write_text(variant / "metadata.json", json.dumps({
         "id": f"{pkg}_{digest}", "name": name, "version": version, "license": "apache-2.0",
-        "python-depends": [], "backend": {"type": backend}}, indent=2))
-    (variant / pkg / "__init__.py").write_text("from . import layers\n")
-    (variant / pkg / "layers.py").write_text(layers_source)
+        "python-depends": [], "backend": {"type": backend}}, indent=2), what="kernel metadata")
+    files.write_text(variant / pkg / "__init__.py", "from . import layers\n", what="kernel package")
+    files.write_text(variant / pkg / "layers.py", layers_source, what="kernel layers")
     return root

@@ -189,18 +189,19 @@ class Run:
 
 def build(family: str, size: str, dtype: str, device: str) -> Any:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..model.hf import build_model, default_config
 
     f = FAMILIES[family]
     widths = {"mini": f.mini, "tiny": f.tiny, "full": f.full}[size]
     if not widths:
         raise ValueError(f"{family} has no {size!r} size (sizes: mini, tiny" + (", full)" if f.full else ")"))
-    cfg = AutoConfig.for_model(f.model_type, **widths,
+    cfg = default_config(f.model_type, **widths,
                                attention_dropout=0.0, bos_token_id=BOS, eos_token_id=BOS, pad_token_id=0)
     torch.manual_seed(SEED)
     if torch.device(device).type == "cuda":
         torch.cuda.manual_seed_all(SEED)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    model = build_model(cfg, attn_implementation="sdpa")
     return model.to(device=device, dtype=torch_dtype(dtype))
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .hooks import Capture, base_model_of, first_tensor
+from ..model.hf import free_memory
 from ..model.modules import decoder_layers
 from ..util.vocab import DTYPE_BYTES
 from .reference import float64_mode
@@ -127,27 +128,6 @@ class Estimate:
                 "n_layers": self.n_layers, "whole_gib": round(self.whole_bytes / gib, 2),
                 "streamed_gib": round(self.streamed_bytes / gib, 2),
                 "free_gib": None if self.free_bytes is None else round(self.free_bytes / gib, 2)}
-
-
-def free_memory(device: Any) -> int | None:
-    """Free bytes on ``device`` (CUDA: the driver's count; CPU: MemAvailable), None if unknown."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        try:
-            return int(torch.cuda.mem_get_info(dev)[0])
-        except Exception:
-            return None
-    if dev.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-    return None
 
 
 def _cfg_int(cfg: Any, *names: str, default: int = 0) -> int:

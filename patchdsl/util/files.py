@@ -1,4 +1,5 @@
-"""Reading files (and JSON / YAML text) that patchdsl did not write: the one place that does it.
+"""Reading files (and JSON / YAML text) that patchdsl did not write, and writing the files it is asked to
+write: the one place that does each.
 
 Every file named by a user is untrusted: a spec, a model's ``config.json``, ``--liger @FILE``, a
 ``--kernel-mapping`` file, a plan file.  :func:`read_bytes` opens it with ``O_NONBLOCK`` (a FIFO
@@ -12,6 +13,14 @@ before the recursive parsers run, so no ``RecursionError``) and the digits of in
 (no 5000-digit integer reaches ``int``).  Every failure is a :class:`FileReadError` (a
 ``ValueError``) whose message names the file and says what is wrong in one line; callers turn it
 into their own error type (``SpecError``, ``ModelLoadError``, ``PlanError``...) or the CLI's exit 2.
+
+Every file a command writes where the user asked (``suggest --out``, ``apply --json-out``, the census
+table, bench results...) is written by :func:`write_text` / :func:`write_bytes`: the name is checked
+first without opening it (:func:`check_writable`: a FIFO, a device, a folder, a socket, a link to one
+of them, a missing folder or an unwritable file is a :class:`FileWriteError` naming the file, exit 2),
+then the data go to a new temporary file in the same folder that is renamed over the name (nothing is
+opened that could block, and no reader sees half a file).  :func:`check_folder` does the same for an
+output folder.  ``tests/hostile/test_out_files.py`` fails on any other write in patchdsl or its tools.
 
 This module imports nothing of patchdsl (the syntax layer uses it; see docs/architecture.md).
 """
@@ -35,6 +44,7 @@ LIMITS = {
     "mapping": 1 * MiB,        # --kernel-mapping: a KernelConfig mapping
     "plan": 64 * MiB,          # a plan file (--json of plan; ~1 KiB per site)
     "json": 1 * MiB,           # JSON given as text (liger_kernel_config strings and the like)
+    "table": 4 * MiB,          # a table patchdsl wrote and reads back (the census's docs/coverage.md: ~20 KiB)
 }
 MAX_DEPTH = 64                 # nesting of JSON / YAML objects and arrays (real configs: < 6)
 MAX_INT_DIGITS = 64            # digits of one integer literal (64-bit values have at most 20)
@@ -254,3 +264,179 @@ def read_data(path: str | os.PathLike, kind: str, *, what: str = "file", max_dep
     if Path(os.fspath(path)).suffix.lower() in (".yaml", ".yml"):
         return parse_yaml(text, where, max_depth=max_depth)
     return parse_json(text, where, max_depth=max_depth)
+
+
+# ---------------------------------------------------------------- writing
+class FileWriteError(ValueError):
+    """A file that cannot be written as asked; ``str(e)`` is the one-line message.
+
+    ``reason`` is one of ``"not-regular"`` (a folder, FIFO, device, socket, or a link to one),
+    ``"no-folder"`` (its folder is missing or not a folder), ``"not-writable"``, ``"os"``."""
+
+    def __init__(self, message: str, reason: str, path: str = ""):
+        super().__init__(message)
+        self.reason = reason
+        self.path = path
+
+
+def _kind_of(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def check_writable(path: str | os.PathLike, *, what: str = "file") -> Path:
+    """The file that writing ``path`` would replace, checked without opening anything (so a FIFO
+    or a device never blocks): a regular file (a link to one is followed: the file it names is
+    written) or a new name in a writable folder.  :class:`FileWriteError` otherwise.  Commands call
+    it before their work, :func:`write_text` again when it writes."""
+    shown = show(path)
+    try:
+        p = os.fspath(path)
+        if not p or "\x00" in p:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise FileWriteError(f"cannot write {what} '{shown}': not a file name", "os", shown) from None
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        if os.path.islink(p):
+            raise FileWriteError(f"cannot write {what} '{shown}': it is a symbolic link to a missing file "
+                                 f"(patchdsl does not create files through links)", "not-regular", shown) from None
+        st = None
+    except NotADirectoryError:
+        raise FileWriteError(f"cannot write {what} '{shown}': a part of its path is not a folder", "no-folder",
+                             shown) from None
+    except OSError as e:
+        raise FileWriteError(f"cannot write {what} '{shown}': {_os_reason(e)}", "os", shown) from None
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            link = " (through a symbolic link)" if os.path.islink(p) else ""
+            raise FileWriteError(f"cannot write {what} '{shown}': it is {_kind_of(st.st_mode)}{link}, not a regular "
+                                 f"file", "not-regular", shown)
+        if not os.access(p, os.W_OK):
+            raise FileWriteError(f"cannot write {what} '{shown}': permission denied (the file is not writable)",
+                                 "not-writable", shown)
+        target = Path(os.path.realpath(p))
+    else:
+        target = Path(os.path.abspath(p))
+    folder = target.parent
+    try:
+        fst = os.stat(folder)
+    except FileNotFoundError:
+        raise FileWriteError(f"cannot write {what} '{shown}': its folder does not exist ({show(folder)})",
+                             "no-folder", shown) from None
+    except OSError as e:
+        raise FileWriteError(f"cannot write {what} '{shown}': {_os_reason(e)}", "os", shown) from None
+    if not stat.S_ISDIR(fst.st_mode):
+        raise FileWriteError(f"cannot write {what} '{shown}': '{show(folder)}' is not a folder", "no-folder", shown)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise FileWriteError(f"cannot write {what} '{shown}': permission denied (its folder '{show(folder)}' is "
+                             f"not writable)", "not-writable", shown)
+    _probe(folder, what, shown)
+    return target
+
+
+def _probe(folder: Path, what: str, shown: str) -> None:
+    """Make and remove a new file in ``folder``: the one sure test that a file can be written there
+    (``os.access`` says yes to root on a read-only or pseudo file system such as /proc)."""
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".patchdsl-probe.", dir=folder)
+    except OSError as e:
+        raise FileWriteError(f"cannot write {what} '{shown}': no new file can be made in its folder "
+                             f"'{show(folder)}' ({_os_reason(e)})", "not-writable", shown) from None
+    os.close(fd)
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+
+
+def check_folder(path: str | os.PathLike, *, what: str = "folder", create: bool = True) -> Path:
+    """A folder files will be written into: an existing folder (a link to one is followed) or, with
+    ``create``, a new one made here (parents too).  A file, FIFO or device there is refused;
+    :class:`FileWriteError` otherwise."""
+    shown = show(path)
+    try:
+        p = Path(os.fspath(path))
+        st = os.stat(p)
+    except FileNotFoundError:
+        if not create:
+            raise FileWriteError(f"cannot write into {what} '{shown}': no such folder", "no-folder", shown) from None
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise FileWriteError(f"cannot create {what} '{shown}': {_os_reason(e)}", "os", shown) from None
+        st = os.stat(p)
+    except (OSError, ValueError, TypeError) as e:
+        reason = _os_reason(e) if isinstance(e, OSError) else "not a folder name"
+        raise FileWriteError(f"cannot write into {what} '{shown}': {reason}", "os", shown) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise FileWriteError(f"cannot write into {what} '{shown}': it is {_kind_of(st.st_mode)}, not a folder",
+                             "not-regular", shown)
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise FileWriteError(f"cannot write into {what} '{shown}': permission denied", "not-writable", shown)
+    return p
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, *, what: str = "file", private: bool = False,
+                parents: bool = False) -> Path:
+    """Write ``data`` to ``path``: the one writer of files patchdsl is asked to write.
+
+    Checked first (:func:`check_writable`: no FIFO, device, folder, socket, link to one, missing
+    folder, unwritable file), then written to a new temporary file in the same folder (``mkstemp``:
+    a new regular file, so nothing blocks) and renamed over the name: a reader sees the old file or
+    the new one, never half of one, and a name swapped for a FIFO after the check is replaced, not
+    opened.  The file keeps the mode of the file it replaces; a new one gets the usual ``0666``
+    less the umask (``private``: ``0600``).  ``parents``: a missing folder is made (:func:`check_folder`).
+    Returns the path written."""
+    import tempfile
+
+    if parents:
+        check_folder(Path(os.path.abspath(os.fspath(path))).parent, what=f"the folder of {what}")
+    target = check_writable(path, what=what)
+    shown = show(path)
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        if private:
+            mode = 0o600
+        else:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:60]}.", suffix=".tmp", dir=target.parent)
+    except OSError as e:
+        raise FileWriteError(f"cannot write {what} '{shown}': no new file can be made in its folder "
+                             f"'{show(target.parent)}' ({_os_reason(e)})", "not-writable", shown) from None
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise FileWriteError(f"cannot write {what} '{shown}': {_os_reason(e)}", "os", shown) from None
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return target
+
+
+def write_text(path: str | os.PathLike, text: str, *, what: str = "file", private: bool = False,
+               parents: bool = False) -> Path:
+    """:func:`write_bytes` of ``text`` in UTF-8."""
+    return write_bytes(path, text.encode("utf-8"), what=what, private=private, parents=parents)

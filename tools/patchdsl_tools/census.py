@@ -28,9 +28,9 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
+from patchdsl.util import files
 from patchdsl.model.tiny import MAX_TINY_PARAMS, build, meta_params, quiet, short_error, tiny_family_config, vl_families
 from patchdsl.parity.images import image_recipe_of
 
@@ -282,7 +282,7 @@ def run(names: Iterable[str], *, verify: bool = True, out: str | None = "docs/co
         rows.append(r)
         say(f"[{n}/{len(names)}] {fam}: {' '.join(r.cells()[2:7])} ({time.perf_counter() - t0:.1f} s)")
         if out and out != "-":
-            Path(out).write_text(render(rows, total=len(names), verify=verify))
+            files.write_text(out, render(rows, total=len(names), verify=verify), what="census table")
     if out == "-":
         sys.stdout.write(render(rows, total=len(names), verify=verify))
     return rows
@@ -303,22 +303,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: not a causal-LM or vision-language model type of this transformers: {', '.join(unknown)}",
               file=sys.stderr)
         return 2
-    if a.out != "-" and not Path(a.out).resolve().parent.is_dir():
-        print(f"error: --out {a.out}: its folder does not exist (run from the repository root, or give --out)",
-              file=sys.stderr)
+    try:
+        if a.out != "-":
+            # checked before the families run: a FIFO, a device, a folder or an unwritable file is refused
+            # now, not after minutes of work (and never opened: patchdsl.util.files writes every output)
+            files.check_writable(a.out, what="--out")
+        keep: dict[str, Row] = {}
+        if a.update:
+            if not a.families or a.out == "-" or not files.is_file(a.out):
+                print("error: --update needs FAMILIES and an existing --out file", file=sys.stderr)
+                return 2
+            keep = {f: Row.from_cells(c) for f, c in parse_table(files.read_text(a.out, "table", what="--out")).items()}
+        rows = run(names, verify=not a.no_verify, out=None if keep else a.out,
+                   log=lambda m: print(m, file=sys.stderr, flush=True))
+        if keep:
+            keep.update({r.family: r for r in rows})
+            order = [f for f in families() if f in keep]
+            files.write_text(a.out, render([keep[f] for f in order], total=len(families()), verify=not a.no_verify),
+                             what="census table")
+    except (files.FileWriteError, files.FileReadError) as e:
+        print(f"error: {e}" + (" (run from the repository root, or give --out)" if getattr(e, "reason", "") == "no-folder"
+                               else ""), file=sys.stderr)
         return 2
-    keep: dict[str, Row] = {}
-    if a.update:
-        if not a.families or a.out == "-" or not Path(a.out).is_file():
-            print("error: --update needs FAMILIES and an existing --out file", file=sys.stderr)
-            return 2
-        keep = {f: Row.from_cells(c) for f, c in parse_table(Path(a.out).read_text()).items()}
-    rows = run(names, verify=not a.no_verify, out=None if keep else a.out,
-               log=lambda m: print(m, file=sys.stderr, flush=True))
-    if keep:
-        keep.update({r.family: r for r in rows})
-        order = [f for f in families() if f in keep]
-        Path(a.out).write_text(render([keep[f] for f in order], total=len(families()), verify=not a.no_verify))
     return 0
 
 

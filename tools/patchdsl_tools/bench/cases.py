@@ -253,20 +253,21 @@ class Family:
 
 
 def _qwen3(hidden=1024, inter=3072, heads=16, kv=8, head_dim=128, vocab=1000, tie=False):
-    from transformers import AutoConfig
+    from patchdsl.model.hf import default_config
 
-    return AutoConfig.for_model("qwen3", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
-                                num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                                vocab_size=vocab, tie_word_embeddings=tie, rms_norm_eps=1e-6,
-                                rope_theta=1_000_000.0)
+    return default_config("qwen3", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
+                          num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                          vocab_size=vocab, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+                          rope_theta=1_000_000.0)
 
 
 def _meta_lm(cfg, dtype: str):
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from patchdsl.model.hf import build_model
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype(dtype))
+        return build_model(cfg, dtype=torch_dtype(dtype))
 
 
 def _liger(modname: str, attr: str):
@@ -488,11 +489,11 @@ class GeGLUFamily(GLUFamily):
     ref_approx = "tanh"
 
     def plan_model(self, shape, dtype):
-        from transformers import AutoConfig
+        from patchdsl.model.hf import default_config
 
-        cfg = AutoConfig.for_model("gemma3_text", hidden_size=1152, intermediate_size=shape["intermediate"],
-                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
-                                   head_dim=256, vocab_size=1000, hidden_activation="gelu_pytorch_tanh")
+        cfg = default_config("gemma3_text", hidden_size=1152, intermediate_size=shape["intermediate"],
+                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+                             head_dim=256, vocab_size=1000, hidden_activation="gelu_pytorch_tanh")
         return _meta_lm(cfg, dtype), ["model.layers.0.mlp"]
 
     liger_function = "LigerGELUMulFunction"
@@ -534,12 +535,12 @@ class RopeFamily(Family):
         return {"fwd": (2 * qk + cs) * esize, "bwd": (2 * qk + cs) * esize, "fwd_bwd": (4 * qk + 2 * cs) * esize}
 
     def plan_model(self, shape, dtype):
-        from transformers import AutoConfig
+        from patchdsl.model.hf import default_config
 
         _, _, hq, hk, d = self._dims(shape)
-        cfg = AutoConfig.for_model("llama", hidden_size=hq * d, intermediate_size=256, num_hidden_layers=1,
-                                   num_attention_heads=hq, num_key_value_heads=hk, head_dim=d, vocab_size=1000,
-                                   rope_theta=self.THETA)
+        cfg = default_config("llama", hidden_size=hq * d, intermediate_size=256, num_hidden_layers=1,
+                             num_attention_heads=hq, num_key_value_heads=hk, head_dim=d, vocab_size=1000,
+                             rope_theta=self.THETA)
         return _meta_lm(cfg, dtype), ["model.layers.0.self_attn"]
 
     def patchdsl_values(self, params, act):

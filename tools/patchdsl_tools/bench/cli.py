@@ -37,8 +37,9 @@ def _out_dir(cmd: str, out: str | None = None) -> Path:
         d = Path(os.environ["OUT"])
     else:
         d = Path("bench-results") / f"{cmd}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    from patchdsl.util import files
+
+    return files.check_folder(d, what="--out")
 
 
 def _csv(s: str | None) -> tuple[str, ...] | None:
@@ -184,6 +185,24 @@ def run(argv: list[str]) -> int:
         a = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0) if e.code in (0, None) else 2
+    from patchdsl.util import files
+
+    try:
+        # every output is written by patchdsl.util.files; the files named here are checked before the
+        # benchmarks run (a FIFO, a device, a folder or an unwritable file: exit 2 now, not after the runs)
+        for opt in ("json", "png", "txt"):
+            f = getattr(a, opt, None)
+            if f and (files.exists(f) or os.path.islink(f)):
+                files.check_writable(f, what=f"--{'json-out' if opt == 'json' else opt}")
+        if getattr(a, "out", None) and files.exists(a.out):
+            files.check_folder(a.out, what="--out", create=False)
+        return _run(parser, a)
+    except files.FileWriteError as e:
+        print(f"patchdsl bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.cmd is None:
         parser.print_usage(sys.stderr)
         print("patchdsl bench: say which benchmark: ops, e2e, specialise, summary or plot "
@@ -267,7 +286,6 @@ def run(argv: list[str]) -> int:
             return 2
         if a.json:
             path = a.json
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
         else:
             path = str(_out_dir("e2e", a.out) / f"{a.name}.json")
         o = E2EOptions(device=device, model=a.model, specs=tuple(a.spec or ()),
@@ -295,7 +313,9 @@ def run(argv: list[str]) -> int:
         t = report.targets_summary(None, doc)
         if t:
             text += "\n" + t
-        Path(path).with_suffix(".txt").write_text(text + "\n")
+        from patchdsl.util import files
+
+        files.write_text(Path(path).with_suffix(".txt"), text + "\n", what="results table", parents=True)
         print(text)
         print(f"results: {path} (+ {Path(path).with_suffix('.txt').name})")
         if png_line:

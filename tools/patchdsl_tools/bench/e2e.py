@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from patchdsl.util import files
 from patchdsl.util.vocab import torch_dtype
 from . import timing
 
@@ -243,18 +244,18 @@ def build_model(o: E2EOptions):
                         attn_implementation=o.attn, tiny=o.tiny, seed=o.seed, log=None)
         model, source = lm.model, lm.source
     except Exception as e:  # patchdsl.model missing or failing: the architecture from the constants
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from patchdsl.model.hf import build_model, default_config
 
         kw = dict(QWEN3_06B)
         if o.tiny:
             kw.update(TINY)
-        cfg = AutoConfig.for_model("qwen3", **kw)
+        cfg = default_config("qwen3", **kw)
         torch.manual_seed(o.seed)
         dev = torch.device(o.device)
         if dev.type == "cuda":
             torch.cuda.manual_seed_all(o.seed)
         with dev:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype(o.dtype), attn_implementation=o.attn)
+            model = build_model(cfg, dtype=torch_dtype(o.dtype), attn_implementation=o.attn)
         source = f"qwen3 from built-in hyperparameters ({type(e).__name__} from patchdsl.model: {e})"
     model.config.use_cache = False
     return model, source
@@ -515,9 +516,7 @@ def worker_main(req_path: str, out_path: str) -> int:
         rec["env"] = environment(o.device)
     except Exception as e:  # pragma: no cover - the record matters more than its environment
         rec["env"] = {"error": _first_line(e)}
-    tmp = Path(out_path + ".tmp")
-    tmp.write_text(json.dumps(_finite(rec), indent=1))
-    os.replace(tmp, out_path)
+    files.write_text(out_path, json.dumps(_finite(rec), indent=1), what="row record")
     return 0
 
 
@@ -595,7 +594,8 @@ def _spawn_row(o: E2EOptions, row: Row, micro: int, timeout_s: float, workdir: P
     out = workdir / f"row{idx}-mb{micro}.out.json"
     opts = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(o).items()}
     opts.update(json_path=None, budget_s=1e9)
-    req.write_text(json.dumps({"options": opts, "row": {k: v for k, v in asdict(row).items()}, "micro": micro}))
+    files.write_text(req, json.dumps({"options": opts, "row": {k: v for k, v in asdict(row).items()}, "micro": micro}),
+                     what="row request")
     env = dict(os.environ)
     root = _package_root()      # the worker imports the same patchdsl as this process
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -314,6 +314,15 @@ def table(results: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.out:
+        from patchdsl.util import files
+
+        try:        # before the ranks start: a FIFO, a device, a folder or an unwritable file is refused now
+            if files.exists(a.out) or os.path.islink(a.out):
+                files.check_writable(a.out, what="--out")
+        except files.FileWriteError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -354,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                        "versions": {"torch": torch.__version__, "triton": _ver("triton"),
                                     "transformers": _ver("transformers")},
                        "variants": results, "judged": rows, "passed": passed}
-                Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(a.out).write_text(json.dumps(doc, indent=1))
+                from patchdsl.util import files
+
+                files.write_text(a.out, json.dumps(doc, indent=1), what="--out", parents=True)
         return 0 if passed else 1
     finally:
         dist.destroy_process_group()

@@ -52,12 +52,15 @@ def plot(ops: dict | None, e2e: dict | None, path: str | Path) -> str | None:
 
 
 def _save(fig: Any, plt: Any, path: str | Path) -> str:
+    import io
+
+    from patchdsl.util import files
+
     fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=90)
+    fig.savefig(buf := io.BytesIO(), format="png", dpi=90)
     plt.close(fig)
-    return str(p)
+    files.write_bytes(path, buf.getvalue(), what="plot", parents=True)
+    return str(Path(path))
 
 
 def _issue_cases(ops: dict) -> list[tuple[str, str]]:

@@ -569,11 +569,9 @@ def units(opts: Options) -> list[tuple[Family, str, dict, str]]:
 def write_json(path: str | None, doc: dict) -> None:
     if not path:
         return
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=_json_default))
-    os.replace(tmp, p)
+    from patchdsl.util import files
+
+    files.write_text(path, json.dumps(doc, indent=1, default=_json_default), what="results JSON", parents=True)
 
 
 def _json_default(o):

@@ -436,10 +436,9 @@ def run_specialise(o: Options) -> dict[str, Any]:
 
 def _write_text(path: str | None, text: str) -> None:
     if path:
-        from pathlib import Path
+        from patchdsl.util import files
 
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
+        files.write_text(path, text + "\n", what="results table", parents=True)
 
 
 def _line(r: dict) -> str:
