@@ -36,6 +36,7 @@ from .registry import register
 class FusedExperts(Op):
     name = "fused_experts"
     kinds = ("Experts",)
+    placements = ()
     template = "fused_experts.py.j2"
     doc = ("the expert MLPs of a mixture-of-experts layer: slots sorted by expert on the device (no host "
            "sync), grouped GEMMs over contiguous rows, the activation, routing weight and per-token sum in "

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..codegen import KernelKey, load_kernel
+from ..distributed import has_dtensors, localise, placement_reason, site_layout, wrap_installs
+from ..distributed.layout import has_fsdp
+from ..distributed.local import covered_hooks
 from ..kernel_support.custom_ops import compiling
 from ..codegen.env import target as detect_target
 from ..model.index import module_info
@@ -155,6 +158,8 @@ class PatchHandle:
     plan: Any
     patched: list[str] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
+    # site path -> the DTensor layout it runs on (patchdsl.distributed), for sites that have one
+    placements: dict[str, str] = field(default_factory=dict)
     left: list[str] = field(default_factory=list)       # attributes undo left alone (changed since apply)
     _undo: list[tuple[Any, str, Any, Any]] = field(default_factory=list, repr=False)
     active: bool = True
@@ -307,6 +312,22 @@ def unsharded_name(class_name: str) -> str:
 
 
 
+def distributed_site(op: Op, module: Any, info: ModuleInfo, flags: dict, fsdp: bool | None):
+    """(layout or None, the info the kernels are specialised for, refusal or None) of a site under DTensor
+    parallelism; ``fsdp`` None: the model has no DTensor parameter (nothing is looked at)."""
+    if fsdp is None:
+        return None, info, None
+    from ..model.modules import unwrap
+
+    layout = site_layout(op.kinds, unwrap(module), info, fsdp)
+    if layout is None:
+        return None, info, None
+    why = placement_reason(op, layout, flags)
+    if why is None and layout.name == "heads":
+        why = covered_hooks(unwrap(module), op.covers)
+    return layout, (localise(info, layout) if why is None else info), why
+
+
 def uncovered_modules(plan: PatchPlan, model: Any) -> list[Refusal]:
     """Modules of ``model`` the plan never saw (not in ``plan.structure``) that are like a site of it
     (same leaf name and class: ``model.layers.5.mlp`` beside a plan for ``model.layers.1.mlp``), as
@@ -376,6 +397,7 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
         if log:
             log(str(r))
     modules = dict(model.named_modules())      # snapshot before patching
+    fsdp = has_fsdp(model) if has_dtensors(model) else None     # DTensor layouts: looked at only then
     try:
         for site in plan.sites:
             op = get_op(site.op)
@@ -399,6 +421,9 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                     reason, info = _live_reason(site, op, plan, module, host, target)
             if reason is None:
                 reason = check_site(op, module, host, info, flags)
+            layout = None
+            if reason is None:
+                layout, info, reason = distributed_site(op, module, info, flags, fsdp)
             installs = []
             if reason is None:
                 kernels = kernel_getter(op, info, flags, target, list(plan.dtypes) if preload else [])
@@ -409,6 +434,8 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                             reason = why
                             break
                     installs.append((obj, attr, value))
+                if layout is not None:
+                    installs = wrap_installs(layout.name, op.covers, host, installs)
             if reason:
                 r = Refusal(site.path, site.op, site.rule, reason, site.optional)
                 if strict:
@@ -422,6 +449,10 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                 set_recorded(handle, record if obj is host else None, obj, attr, value)
             set_recorded(handle, None, host, SITE_ATTR, record)
             handle.patched.append(site.path)
+            if layout is not None:
+                handle.placements[site.path] = layout.describe()
+                if log:
+                    log(f"{site.path}: {site.op} on {layout.describe()}")
         if plan.attention is not None:
             # the model's attention implementation, on this instance only (see ops/attention_impl.py)
             for obj, attr, value in plan.attention.install(model):
@@ -447,12 +478,19 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
         resolved[k] = spec.coerce(v)
     handle = PatchHandle(None)
     reason = check_site(op, module, module, info, resolved)
+    layout = None
+    if reason is None and has_dtensors(module):
+        layout, info, reason = distributed_site(op, module, info, resolved, has_fsdp(module))
     if reason:
         raise PatchError(f"refused {op_name} on {type(module).__name__}: {reason}")
     # the module's own dtype is loaded now: a kernel cannot be loaded while torch.compile traces
     preload = [info.dtype] if info.dtype in DTYPES else []
     kernels = kernel_getter(op, info, resolved, target, preload)
-    for obj, attr, value in op.install(module, kernels, resolved, info):
+    installs = op.install(module, kernels, resolved, info)
+    if layout is not None:
+        installs = wrap_installs(layout.name, op.covers, module, installs)
+        handle.placements[""] = layout.describe()
+    for obj, attr, value in installs:
         if attr == "forward" and not op.wraps_instance_forward:
             attr, why = _forward_slot(obj)
             if why:

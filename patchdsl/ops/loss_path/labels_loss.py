@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 
 from ..common import signature_binder
 from ...model.modules import unwrap
+from ...distributed import vocab_parallel_linear_cross_entropy
 from .sharding import call_as_forward, head_gather, unsharded_reason
 from ...model.forward.causal_lm import ForwardShape, forward_shape, host_body
 from ...model.forward.router_loss import router_loss
@@ -136,11 +137,13 @@ def original_forward(host: Any) -> Callable:
     return original
 
 
-def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str) -> Callable:
+def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str, vocab_parallel: Any = None) -> Callable:
     """The replacement ``forward(self, *args, **kwargs)`` for the causal LM ``host``.
 
     ``mode="linear"``: fused linear cross entropy from the hidden states (logits=None).
     ``mode="logits"``: logits from ``self.lm_head`` (returned), loss by the fused cross entropy.
+    ``vocab_parallel``: the loss spec (patchdsl.distributed.vocab.LossSpec) of an LM head sharded over the
+    vocabulary (decided at apply time): the vocabulary-parallel loss instead of the kernel.
     """
     import torch
 
@@ -184,6 +187,8 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
 
             def fused(h, y, n):
                 w, b = lm.weight, lm.bias                # read now: whole here, whoever shards them
+                if vocab_parallel is not None:           # colwise lm_head (tensor parallelism)
+                    return vocab_parallel_linear_cross_entropy(h, w, b, y, n, vocab_parallel)
                 why = unsharded_reason(w)
                 if why:
                     raise RuntimeError(f"fused_linear_cross_entropy: {why}")
@@ -237,5 +242,5 @@ def make_loss_function(kernels: Callable, flags: Mapping[str, Any], original: Ca
     return fused_causal_lm_loss
 
 
-def install_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str) -> list:
-    return [(host, "forward", types.MethodType(make_forward(host, kernels, flags, mode), host))]
+def install_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str, vocab_parallel: Any = None) -> list:
+    return [(host, "forward", types.MethodType(make_forward(host, kernels, flags, mode, vocab_parallel), host))]

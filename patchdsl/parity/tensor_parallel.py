@@ -1,0 +1,228 @@
+"""verify under tensor parallelism: a tiny model of a family, parallelised (TP, TP + sequence parallelism,
+FSDP2 + TP on a 2-D mesh) and patched, trained a few steps beside the single-process unpatched model in
+float32 and in float64, every step's loss and every final parameter judged with verify's rule
+(:mod:`patchdsl.parity.compare`: the patched error against float64 within 4x the unpatched error plus
+the dtype's floor).
+
+Run in every rank of an initialised process group (gloo on the CPU, NCCL on GPUs):
+:func:`run_case` takes the mesh; :func:`main` is the torchrun entry
+(``torchrun --nproc-per-node 2 -m patchdsl.parity.tensor_parallel --family llama --spec specs/llama.kpatch``).
+The plans are transformers' ``base_model_tp_plan`` layouts written with ``parallelize_module``:
+q/k/v and gate/up colwise, o/down rowwise, the LM head colwise; with ``sequence=True`` the residual
+stream between the layers is sharded over the sequence (norms under ``SequenceParallel``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .compare import errors, judge, tolerance_for
+
+LAYOUTS = ("tp", "tp_sp", "fsdp_tp")
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str                  # a model type with a shipped tiny config (llama, qwen3, ...)
+    spec: str                    # spec text or path
+    layout: str = "tp"           # one of LAYOUTS
+    steps: int = 3
+    batch: int = 2
+    seq: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def tiny_config(family: str):
+    from ..model.tiny import tiny_family_config
+
+    cfg = tiny_family_config(family)
+    cfg.tie_word_embeddings = False      # a colwise LM head cannot share the (replicated) embedding's weight
+    cfg.use_cache = False
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def tp_plan(model: Any, sequence: bool = False) -> dict[str, Any]:
+    """``parallelize_module``'s plan for ``model``: its config's ``base_model_tp_plan`` colwise / rowwise
+    entries (other styles - packed, experts, replicated norms - left out), the LM head colwise; with
+    ``sequence`` the norms under SequenceParallel and the activations between them sharded over the sequence."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    out_layout = Shard(1) if sequence else Replicate()
+    plan: dict[str, Any] = {}
+    names = dict(model.named_modules())
+    n_layers = model.config.num_hidden_layers
+    for i in range(n_layers):
+        for key, style in base.items():
+            if not key.startswith("layers.*."):
+                continue
+            path = f"model.layers.{i}.{key[len('layers.*.'):]}"
+            if path not in names:
+                continue
+            if style == "colwise":
+                plan[path] = ColwiseParallel()
+            elif style == "rowwise":
+                plan[path] = RowwiseParallel(output_layouts=out_layout)
+        if sequence:
+            p = f"model.layers.{i}."
+            plan[p + "input_layernorm"] = SequenceParallel()
+            plan[p + "post_attention_layernorm"] = SequenceParallel()
+            plan[p + "self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                       desired_input_kwarg_layouts={"hidden_states": Replicate()})
+            plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if sequence:
+        # the embeddings' output (whole: the rotary embedding and the mask want every position) split
+        # over the sequence as the first layer's input; the final norm gives it back Shard(1)
+        plan["model.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                    use_local_output=True)
+        plan["model.norm"] = SequenceParallel()
+    plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sequence else Replicate(), output_layouts=Replicate())
+    return plan
+
+
+def parallelise(model: Any, mesh: Any, layout: str) -> Any:
+    """``model`` under ``layout``: "tp" / "tp_sp" on a 1-D mesh; "fsdp_tp" on a 2-D ("dp", "tp") mesh (TP
+    first, then fully_shard per decoder layer and at the root over "dp", torchtitan's order)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    tp = mesh["tp"] if layout == "fsdp_tp" else mesh
+    parallelize_module(model, tp, tp_plan(model, sequence=layout == "tp_sp"))
+    if layout == "fsdp_tp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batches(case: Case, vocab: int, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + case.seed)
+    return [torch.randint(0, vocab, (case.batch * n, case.seq), generator=g) for _ in range(case.steps)]
+
+
+def _full(p: Any) -> Any:
+    return p.full_tensor() if any(c.__name__ == "DTensor" for c in type(p).__mro__) else p
+
+
+def run_case(case: Case, mesh: Any, spec_dir: str | None = None) -> dict[str, Any]:
+    """Train the case's model parallelised and patched on ``mesh`` and, on every rank, the single-process
+    unpatched model in float32 and float64 on the same (global) batches; return the judged rows."""
+    import torch
+    import torch.distributed as dist
+
+    from ..model.tiny import build, quiet
+    from ..runtime.patch import apply
+
+    cfg = tiny_config(case.family)
+    with quiet():
+        ref = build(cfg, case.seed).double()
+        hf = build(cfg, case.seed)
+        par = build(cfg, case.seed)
+    for m in (ref, hf, par):
+        m.config.use_cache = False
+        m.train()
+    dp = mesh["dp"] if case.layout == "fsdp_tp" else None
+    n_dp, dp_rank = (dp.size(), dp.get_local_rank()) if dp is not None else (1, 0)
+    parallelise(par, mesh, case.layout)
+    spec = case.spec
+    if spec_dir and not os.path.isabs(spec) and spec.endswith(".kpatch"):
+        spec = os.path.join(spec_dir, spec)
+    handle = apply(spec, par, strict=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=case.lr, foreach=False) for m in (ref, hf, par)]
+    tol = tolerance_for("fp32")
+    rows = []
+    for step, ids in enumerate(_batches(case, cfg.vocab_size, n_dp)):
+        mine = ids.chunk(n_dp)[dp_rank]
+        losses = []
+        for m, opt, x in ((ref, opts[0], ids), (hf, opts[1], ids), (par, opts[2], mine)):
+            opt.zero_grad(set_to_none=True)
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        lp = losses[2].clone()
+        if dp is not None:
+            dist.all_reduce(lp, group=dp.get_group())
+            lp /= n_dp
+        ok, e_hf, bound = judge(errors(lp, losses[0]), errors(losses[1].float(), losses[0]), tol)
+        rows.append({"name": f"loss step {step + 1}", "ok": ok, "err": errors(lp, losses[0]).rel_fro,
+                     "err_unpatched": e_hf, "bound": bound, "value": float(lp)})
+    want = dict(ref.named_parameters())
+    plain = dict(hf.named_parameters())
+    for name, p in par.named_parameters():
+        full = _full(p.detach())
+        r = want[name]
+        ep, eh = errors(full, r), errors(plain[name].detach(), r)
+        ok, e_hf, bound = judge(ep, eh, tol)
+        rows.append({"name": name, "ok": ok, "err": ep.rel_fro, "err_unpatched": e_hf, "bound": bound})
+    return {"case": f"{case.family} {case.layout} x{mesh.size()}", "patched": len(handle.patched),
+            "placements": dict(handle.placements), "rows": rows,
+            "passed": all(r["ok"] for r in rows)}
+
+
+def report_lines(result: dict[str, Any]) -> list[str]:
+    """What people read: one line per loss step, the parameter rows folded to the worst one, the verdict."""
+    rows = result["rows"]
+    losses = [r for r in rows if r["name"].startswith("loss step")]
+    params = [r for r in rows if not r["name"].startswith("loss step")]
+    out = [f"{result['case']}: {result['patched']} site(s) patched"]
+    out += [f"  {site}: {where}" for site, where in sorted(result["placements"].items())]
+    for r in losses:
+        out.append(f"  {r['name']}: {r['value']:.6f}  err {r['err']:.2e} <= {r['bound']:.2e}  "
+                   f"{'ok' if r['ok'] else 'FAIL'}")
+    bad = [r for r in params if not r["ok"]]
+    worst = max(params, key=lambda r: r["err"] / r["bound"] if r["bound"] else 0.0)
+    out.append(f"  {len(params)} final parameters, worst {worst['name']}: err {worst['err']:.2e} <= "
+               f"{worst['bound']:.2e}" + ("" if not bad else f"; FAIL: {', '.join(r['name'] for r in bad[:6])}"))
+    out.append(f"  {'PASS' if result['passed'] else 'FAIL'}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun entry: ``torchrun --nproc-per-node N -m patchdsl.parity.tensor_parallel --family F --spec S
+    [--layout tp|tp_sp|fsdp_tp]``: gloo processes on the CPU (the tiny model, fp32).  Exit 0 when every row passes."""
+    import argparse
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ap = argparse.ArgumentParser(prog="python -m patchdsl.parity.tensor_parallel")
+    ap.add_argument("--family", required=True)
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--layout", choices=LAYOUTS, default="tp")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", dest="json_out", default=None)
+    a = ap.parse_args(argv)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    dev = "cpu"
+    if a.layout == "fsdp_tp":
+        if world % 2:
+            raise SystemExit("fsdp_tp needs an even number of processes (a (world/2, 2) mesh)")
+        mesh = init_device_mesh(dev, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    else:
+        mesh = init_device_mesh(dev, (world,))
+    res = run_case(Case(a.family, a.spec, a.layout, steps=a.steps), mesh)
+    if dist.get_rank() == 0:
+        print("\n".join(report_lines(res)), flush=True)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(res, f, indent=1)
+    dist.destroy_process_group()
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
