@@ -100,8 +100,8 @@ def parallelise(model: Any, mesh: Any, layout: str) -> Any:
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     return model
 
 
