@@ -102,10 +102,22 @@ def _is_shard(pl: Any, dim: int) -> bool:
     return type(pl).__name__ == "Shard" and pl.dim in (dim, dim - 2)
 
 
-def site_layout(kinds: tuple[str, ...], module: Any, info: ModuleInfo, fsdp: bool) -> SiteLayout | None:
+def site_scope(kinds: tuple[str, ...], covers: tuple[str, ...], module: Any) -> list[tuple[str, Any]]:
+    """The (name, module) pairs whose parameters a site depends on: the whole module, except for an op that
+    replaces a decoder layer's forward (fused_add_rmsnorm), which calls the attention and the MLP as modules
+    and reads only the weights of its ``covers``."""
+    if "DecoderLayer" in kinds:
+        return [(c, getattr(module, c)) for c in covers if getattr(module, c, None) is not None]
+    return [("", module)]
+
+
+def site_layout(kinds: tuple[str, ...], module: Any, info: ModuleInfo, fsdp: bool,
+                covers: tuple[str, ...] = ()) -> SiteLayout | None:
     """The layout the site ``module`` (an op of structural ``kinds``) sees, or None: no DTensor parameter."""
     found: dict[str, tuple[Any, int, int, Any]] = {}
-    for name, p in module.named_parameters():
+    named = [(f"{pre}.{n}" if pre else n, p) for pre, m in site_scope(kinds, covers, module)
+             for n, p in m.named_parameters()]
+    for name, p in named:
         got = _placement(p, fsdp)
         if isinstance(got, str):
             return SiteLayout(OTHER, 0, f"{name} on {got}")

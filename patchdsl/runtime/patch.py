@@ -33,7 +33,9 @@ from typing import Any, Callable
 from ..codegen import KernelKey, load_kernel
 from ..distributed import has_dtensors, localise, placement_reason, site_layout, wrap_installs
 from ..distributed.layout import has_fsdp
+from ..distributed.layout import site_scope
 from ..distributed.local import covered_hooks
+from ..distributed.watch import watch
 from ..kernel_support.custom_ops import compiling
 from ..codegen.env import target as detect_target
 from ..model.index import module_info
@@ -319,13 +321,31 @@ def distributed_site(op: Op, module: Any, info: ModuleInfo, flags: dict, fsdp: b
         return None, info, None
     from ..model.modules import unwrap
 
-    layout = site_layout(op.kinds, unwrap(module), info, fsdp)
+    layout = site_layout(op.kinds, unwrap(module), info, fsdp, op.covers)
     if layout is None:
         return None, info, None
     why = placement_reason(op, layout, flags)
     if why is None and layout.name == "heads":
         why = covered_hooks(unwrap(module), op.covers)
     return layout, (localise(info, layout) if why is None else info), why
+
+
+def _watch_whole(op: Op, module: Any, host: Any, record: SiteRecord, path: str, what: str) -> None:
+    """A site patched on unsharded parameters refuses a tensor-parallel plan applied to it afterwards
+    (patchdsl.distributed.watch: at parallelize_module's register_parameter, nothing per call)."""
+    import weakref
+
+    from ..model.modules import unwrap
+
+    ref = weakref.ref(host)
+
+    def still_patched() -> bool:
+        h = ref()
+        return h is not None and h.__dict__.get(SITE_ATTR) is record
+
+    mods = [(".".join(x for x in (path, pre, sub) if x), m)
+            for pre, top in site_scope(op.kinds, op.covers, unwrap(module)) for sub, m in top.named_modules()]
+    watch(mods, what, still_patched)
 
 
 def uncovered_modules(plan: PatchPlan, model: Any) -> list[Refusal]:
@@ -453,6 +473,8 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                 handle.placements[site.path] = layout.describe()
                 if log:
                     log(f"{site.path}: {site.op} on {layout.describe()}")
+            else:
+                _watch_whole(op, module, host, record, site.path, f"{site.path or '<model>'} ({site.op})")
         if plan.attention is not None:
             # the model's attention implementation, on this instance only (see ops/attention_impl.py)
             for obj, attr, value in plan.attention.install(model):
