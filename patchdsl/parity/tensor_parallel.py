@@ -30,7 +30,7 @@ class Case:
     spec: str                    # spec text or path
     layout: str = "tp"           # one of LAYOUTS
     steps: int = 3
-    batch: int = 2
+    batch: int = 1
     seq: int = 16
     lr: float = 1e-3
     seed: int = 0

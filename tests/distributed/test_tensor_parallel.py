@@ -75,3 +75,15 @@ def test_sites_a_layout_does_not_fit_are_refused_with_the_reason(ranks):
     after = ref["after"]
     assert after and after.startswith("ParallelisedAfterPatch") and "q_proj.weight" in after
     assert "Parallelise first, then patchdsl.apply" in after
+
+
+def test_a_partial_gradient_left_unreduced_fails_the_comparison(ranks):
+    """Must fail: the same run with the sequence-parallel norms' weight gradients not summed over the ranks
+    (each rank's partial sum) fails on those weights; the loss of step 1 (before any update) still passes."""
+    for r in ranks:
+        b = r["broken"]
+        assert "error" not in b, b
+        assert not b["passed"]
+        bad = {row["name"] for row in b["rows"] if not row["ok"]}
+        assert any("input_layernorm" in n for n in bad), bad
+        assert b["rows"][0]["name"] == "loss step 1" and b["rows"][0]["ok"]

@@ -160,7 +160,7 @@ def main(out: str) -> None:
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     pair, tp2 = mesh2d.get_coordinate()[0], mesh2d["tp"]
     mesh4 = init_device_mesh("cpu", (4,))
-    res: dict = {"cases": [], "vocab": [], "refusals": None}
+    res: dict = {"cases": [], "vocab": [], "refusals": None, "broken": None}
     for rnd in PAIR_ROUNDS:
         fam, layout = rnd[pair]
         res["cases"].append(_safe(run_case, Case(fam, SPECS[fam], layout), tp2))
@@ -168,6 +168,14 @@ def main(out: str) -> None:
         res["cases"].append(_safe(run_case, Case(fam, SPECS[fam], "fsdp_tp"), mesh2d))
     res["cases"].append(_safe(run_case, Case("llama", SPECS["llama"], "tp"), mesh4))
     res["vocab"] = [_safe(vocab_cases, tp2), _safe(vocab_cases, mesh4)]
+    # must fail: the norms' weight gradients under sequence parallelism left as each rank's partial sum
+    import patchdsl.distributed.local as local
+
+    keep, local.all_reduce_grad = local.all_reduce_grad, lambda x, group: x
+    try:
+        res["broken"] = _safe(run_case, Case("llama", SPECS["llama"], "tp_sp"), tp2)
+    finally:
+        local.all_reduce_grad = keep
     res["refusals"] = _safe(refusals, tp2)
     res["seconds"] = round(time.perf_counter() - t0, 2)
     everything = [None] * world
