@@ -115,19 +115,50 @@ def covered_hooks(module: Any, covers: tuple[str, ...]) -> str | None:
     return None
 
 
+def _ep_implementations(host: Any) -> tuple[list[Any], str | None]:
+    """The objects through which transformers' expert-parallel dispatch calls the experts (their
+    ``experts_forward``): the EP implementation the instance-level forward closes over and the ones it
+    delegates to; or why there are none."""
+    fwd = host.__dict__.get("forward")
+    if fwd is None:
+        return [], ("its experts are sharded over the ranks but nothing dispatches tokens to them (transformers' "
+                    "expert parallelism replaces the module's forward with its dispatch: apply patchdsl after it)")
+    cells = dict(zip(getattr(getattr(fwd, "__code__", None), "co_freevars", ()),
+                     (c.cell_contents for c in (getattr(fwd, "__closure__", None) or ()))))
+    impl = cells.get("implementation")
+    if impl is None or "experts_forward" not in vars(impl):
+        name = getattr(fwd, "__qualname__", type(fwd).__name__)
+        return [], (f"its forward was replaced on the instance by {name}, not transformers' expert-parallel "
+                    "dispatch (an EPImplementation calling experts_forward)")
+    if getattr(impl, "megamoe", None) is not None:
+        return [], "its experts run through DeepGEMM Mega MoE, whose kernel does the dispatch itself"
+    # AutoEP delegates to an AllToAllEP / AllReduceEP of its own, each holding experts_forward
+    subs = [v for v in vars(impl).values() if isinstance(getattr(v, "__dict__", None), dict)
+            and "experts_forward" in v.__dict__ and v is not impl]
+    return [impl, *subs], None
+
+
 def wrap_installs(layout_name: str, covers: tuple[str, ...], host: Any,
-                  installs: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
-    """The op's assignments with the layout's wrapper around the forward it binds on ``host``."""
+                  installs: list[tuple[Any, str, Any]]) -> tuple[list[tuple[Any, str, Any]], str | None]:
+    """The op's assignments with the layout's wrapper around the forward it binds on ``host`` (or, under
+    expert parallelism, in place of what the dispatch calls), and why the layout cannot be served (or None)."""
+    if layout_name == "experts":
+        impls, why = _ep_implementations(host)
+        if why:
+            return installs, why
+        fwd = next((v for o, a, v in installs if o is host and a == "forward"), None)
+        rest = [(o, a, v) for o, a, v in installs if not (o is host and a == "forward")]
+        return rest + [(impl, "experts_forward", fwd) for impl in impls], None
     if layout_name == "replicated":
         wrap = _replicated
     elif layout_name == "heads" and any(getattr(getattr(host, c, None), "_parameters", None) for c in covers):
         def wrap(fn):
             return _heads(fn, covers)
     else:
-        return installs
+        return installs, None
     out = []
     for obj, attr, value in installs:
         if obj is host and attr == "forward" and isinstance(value, types.MethodType):
             value = types.MethodType(wrap(value.__func__), host)
         out.append((obj, attr, value))
-    return out
+    return out, None

@@ -21,7 +21,7 @@ from typing import Any
 
 from .compare import errors, judge, tolerance_for
 
-LAYOUTS = ("tp", "tp_sp", "fsdp_tp")
+LAYOUTS = ("tp", "tp_sp", "fsdp_tp", "ep")
 
 
 @dataclass(frozen=True)
@@ -87,13 +87,38 @@ def tp_plan(model: Any, sequence: bool = False) -> dict[str, Any]:
     return plan
 
 
+def expert_parallel(model: Any, mesh: Any) -> Any:
+    """transformers' expert parallelism (its ``base_model_ep_plan``: the experts' weights Shard(0) over
+    ``mesh["ep"]``, the experts reached through its all-to-all dispatch), with ``mesh["tp"]`` the ranks holding
+    one batch (size 1 here: every EP rank holds a batch of its own)."""
+    try:
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+    except ImportError as e:
+        raise RuntimeError(f"expert parallelism needs transformers' expert-parallel API "
+                           f"(transformers.distributed.expert_parallel, 5.21 and later): {e}") from None
+    base = dict(getattr(model.config, "base_model_ep_plan", None) or {})
+    if not base:
+        raise ValueError(f"{type(model).__name__} has no base_model_ep_plan")
+    names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+    plan = {}
+    for i in range(model.config.num_hidden_layers):
+        for key, style in base.items():
+            path = "model." + key.replace("*", str(i))
+            if path in names:
+                plan[path] = style
+    return apply_expert_parallelism(model, mesh["ep"], mesh["tp"], plan)
+
+
 def parallelise(model: Any, mesh: Any, layout: str) -> Any:
     """``model`` under ``layout``: "tp" / "tp_sp" on a 1-D mesh; "fsdp_tp" on a 2-D ("dp", "tp") mesh (TP
-    first, then fully_shard per decoder layer and at the root over "dp", torchtitan's order)."""
+    first, then fully_shard per decoder layer and at the root over "dp", torchtitan's order); "ep" on an
+    ("ep", "tp") mesh, transformers' expert parallelism (:func:`expert_parallel`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "ep":
+        return expert_parallel(model, mesh)
     tp = mesh["tp"] if layout == "fsdp_tp" else mesh
     parallelize_module(model, tp, tp_plan(model, sequence=layout == "tp_sp"))
     if layout == "fsdp_tp":
@@ -110,6 +135,20 @@ def _batches(case: Case, vocab: int, n: int):
 
     g = torch.Generator().manual_seed(1000 + case.seed)
     return [torch.randint(0, vocab, (case.batch * n, case.seq), generator=g) for _ in range(case.steps)]
+
+
+def _average_grads(model: Any, group_mesh: Any) -> None:
+    """What data parallelism over the EP ranks does (each holds a batch of its own): the replicated
+    parameters' gradients averaged; an expert's (held by one rank, reached by every rank's tokens) divided."""
+    import torch.distributed as dist
+
+    n = group_mesh.size()
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if not any(c.__name__ == "DTensor" for c in type(p).__mro__):
+            dist.all_reduce(p.grad, group=group_mesh.get_group())
+        p.grad.div_(n)
 
 
 def _full(p: Any) -> Any:
@@ -133,7 +172,7 @@ def run_case(case: Case, mesh: Any, spec_dir: str | None = None) -> dict[str, An
     for m in (ref, hf, par):
         m.config.use_cache = False
         m.train()
-    dp = mesh["dp"] if case.layout == "fsdp_tp" else None
+    dp = mesh["dp"] if case.layout == "fsdp_tp" else mesh["ep"] if case.layout == "ep" else None
     n_dp, dp_rank = (dp.size(), dp.get_local_rank()) if dp is not None else (1, 0)
     parallelise(par, mesh, case.layout)
     spec = case.spec
@@ -150,6 +189,8 @@ def run_case(case: Case, mesh: Any, spec_dir: str | None = None) -> dict[str, An
             opt.zero_grad(set_to_none=True)
             loss = m(input_ids=x, labels=x).loss
             loss.backward()
+            if m is par and case.layout == "ep":
+                _average_grads(par, dp)
             opt.step()
             losses.append(loss.detach())
         lp = losses[2].clone()

@@ -447,15 +447,16 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
             installs = []
             if reason is None:
                 kernels = kernel_getter(op, info, flags, target, list(plan.dtypes) if preload else [])
-                for obj, attr, value in op.install(host, kernels, flags, info):
+                wanted = op.install(host, kernels, flags, info)
+                if layout is not None:          # what the layout needs around the forward (distributed/)
+                    wanted, reason = wrap_installs(layout.name, op.covers, host, wanted)
+                for obj, attr, value in wanted if reason is None else ():
                     if attr == "forward" and not op.wraps_instance_forward:
                         attr, why = _forward_slot(obj)
                         if why:
                             reason = why
                             break
                     installs.append((obj, attr, value))
-                if layout is not None:
-                    installs = wrap_installs(layout.name, op.covers, host, installs)
             if reason:
                 r = Refusal(site.path, site.op, site.rule, reason, site.optional)
                 if strict:
@@ -510,7 +511,9 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
     kernels = kernel_getter(op, info, resolved, target, preload)
     installs = op.install(module, kernels, resolved, info)
     if layout is not None:
-        installs = wrap_installs(layout.name, op.covers, module, installs)
+        installs, why = wrap_installs(layout.name, op.covers, module, installs)
+        if why:
+            raise PatchError(f"refused {op_name} on {type(module).__name__}: {why}")
         handle.placements[""] = layout.describe()
     for obj, attr, value in installs:
         if attr == "forward" and not op.wraps_instance_forward:
