@@ -115,7 +115,7 @@ def covered_hooks(module: Any, covers: tuple[str, ...]) -> str | None:
     return None
 
 
-def _ep_implementations(host: Any) -> tuple[list[Any], str | None]:
+def ep_implementations(host: Any) -> tuple[list[Any], str | None]:
     """The objects through which transformers' expert-parallel dispatch calls the experts (their
     ``experts_forward``): the EP implementation the instance-level forward closes over and the ones it
     delegates to; or why there are none."""
@@ -143,7 +143,7 @@ def wrap_installs(layout_name: str, covers: tuple[str, ...], host: Any,
     """The op's assignments with the layout's wrapper around the forward it binds on ``host`` (or, under
     expert parallelism, in place of what the dispatch calls), and why the layout cannot be served (or None)."""
     if layout_name == "experts":
-        impls, why = _ep_implementations(host)
+        impls, why = ep_implementations(host)
         if why:
             return installs, why
         fwd = next((v for o, a, v in installs if o is host and a == "forward"), None)

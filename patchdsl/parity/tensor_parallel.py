@@ -209,8 +209,23 @@ def run_case(case: Case, mesh: Any, spec_dir: str | None = None) -> dict[str, An
         ok, e_hf, bound = judge(ep, eh, tol)
         rows.append({"name": name, "ok": ok, "err": ep.rel_fro, "err_unpatched": e_hf, "bound": bound})
     return {"case": f"{case.family} {case.layout} x{mesh.size()}", "patched": len(handle.patched),
+            "dispatch": _dispatch(par, handle),
             "placements": dict(handle.placements), "rows": rows,
             "passed": all(r["ok"] for r in rows)}
+
+
+def _dispatch(model: Any, handle: Any) -> dict[str, list[str]]:
+    """For each site under expert parallelism: what transformers' dispatch calls (the patched forward's name)."""
+    from ..distributed.local import ep_implementations
+
+    mods = dict(model.named_modules())
+    out = {}
+    for path, where in handle.placements.items():
+        if where.startswith("experts"):
+            impls, _ = ep_implementations(mods[path])
+            out[path] = [f"{i.experts_forward.__func__.__module__}.{i.experts_forward.__func__.__qualname__}"
+                         for i in impls]
+    return out
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:

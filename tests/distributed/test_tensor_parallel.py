@@ -1,4 +1,4 @@
-"""Patched models under tensor parallelism (DTensor), gloo on the CPU: one start of 4 processes runs every
+"""Patched models under tensor and expert parallelism (DTensor), gloo on the CPU: one start of 4 processes runs every
 case (tests/distributed/tp_worker.py).  Each case trains the tiny model of a family parallelised and
 patched with its shipped spec beside the single-process unpatched model (float32 and float64): every
 step's loss and every final parameter within verify's rule (patchdsl.parity.compare)."""
@@ -21,7 +21,7 @@ def _cases(ranks):
 
 
 EXPECTED = {"llama tp x2", "qwen3 tp x2", "llama tp_sp x2", "qwen3 tp_sp x2", "llama fsdp_tp x4",
-            "qwen3 fsdp_tp x4", "llama tp x4"}
+            "qwen3 fsdp_tp x4", "llama tp x4", "qwen3_moe ep x2", "mixtral ep x2", "qwen3_moe ep x4"}
 
 
 def test_every_case_ran_on_every_rank(ranks):
@@ -50,6 +50,17 @@ def test_the_plan_says_which_layout_each_site_sees(ranks):
     assert sp["model.norm"].startswith("replicated over 2 ranks")
     x4 = seen["llama tp x4"]
     assert x4["model.layers.1.self_attn"].startswith("heads over 4 ranks")
+
+
+def test_expert_parallel_dispatch_calls_the_fused_experts_of_the_rank(ranks):
+    for c in _cases(ranks):
+        if " ep " not in c["case"]:
+            continue
+        n = int(c["case"][-1])
+        assert set(c["placements"]) == {f"model.layers.{i}.mlp.experts" for i in range(2)}, c["placements"]
+        assert all(v.startswith(f"experts over {n} ranks") for v in c["placements"].values())
+        for site, called in c["dispatch"].items():
+            assert called and all(q.startswith("patchdsl.ops.experts.") for q in called), (site, called)
 
 
 def test_vocabulary_parallel_loss_and_gradients_match_float64(ranks):

@@ -20,9 +20,11 @@ import patchdsl  # noqa: F401  (switches the interpreter on without a GPU)
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-SPECS = {"llama": "specs/llama.kpatch", "qwen3": "specs/qwen3.kpatch"}
+SPECS = {"llama": "specs/llama.kpatch", "qwen3": "specs/qwen3.kpatch", "qwen3_moe": "specs/qwen3_moe.kpatch",
+         "mixtral": "specs/mixtral.kpatch"}
 # (pair 0's case, pair 1's case) per round on the two TP pairs
-PAIR_ROUNDS = [(("llama", "tp"), ("qwen3", "tp_sp")), (("qwen3", "tp"), ("llama", "tp_sp"))]
+PAIR_ROUNDS = [(("llama", "tp"), ("qwen3", "tp_sp")), (("qwen3", "tp"), ("llama", "tp_sp")),
+               (("qwen3_moe", "ep"), ("mixtral", "ep"))]
 
 
 def _safe(fn, *a):
@@ -160,10 +162,15 @@ def main(out: str) -> None:
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     pair, tp2 = mesh2d.get_coordinate()[0], mesh2d["tp"]
     mesh4 = init_device_mesh("cpu", (4,))
+    # expert parallelism: ("ep", "tp") meshes whose "tp" (the ranks sharing one batch) is each rank alone
+    ep2 = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pair", "ep", "tp"))["ep", "tp"]
+    ep4 = init_device_mesh("cpu", (4, 1), mesh_dim_names=("ep", "tp"))
     res: dict = {"cases": [], "vocab": [], "refusals": None, "broken": None}
     for rnd in PAIR_ROUNDS:
         fam, layout = rnd[pair]
-        res["cases"].append(_safe(run_case, Case(fam, SPECS[fam], layout), tp2))
+        res["cases"].append(_safe(run_case, Case(fam, SPECS[fam], layout), ep2 if layout == "ep" else tp2))
+    # over 4 ranks (one expert each) the experts alone: the rest of the spec ran on 2 ranks above (CPU time)
+    res["cases"].append(_safe(run_case, Case("qwen3_moe", "*.mlp.experts: Experts -> fused_experts", "ep"), ep4))
     for fam in ("llama", "qwen3"):
         res["cases"].append(_safe(run_case, Case(fam, SPECS[fam], "fsdp_tp"), mesh2d))
     res["cases"].append(_safe(run_case, Case("llama", SPECS["llama"], "tp"), mesh4))
