@@ -142,9 +142,10 @@ def _function():
 
 
 def vocab_parallel_linear_cross_entropy(hidden: Any, weight: Any, bias: Any, labels: Any, num_items: Any,
-                                        spec: LossSpec) -> Any:
+                                        spec: LossSpec, cast: Any = None) -> Any:
     """The loss of ``hidden`` (batch..., hidden; whole on every rank, or a DTensor made so) under an LM head
-    whose ``weight`` (and ``bias``) are DTensors sharded over the vocabulary (Shard(0)), as a scalar on every rank."""
+    whose ``weight`` (and ``bias``) are DTensors sharded over the vocabulary (Shard(0)), as a scalar on every
+    rank; ``cast``: the autocast dtype the head's matmul would run in."""
     global _FN
     if _FN is None:
         _FN = _function()
@@ -158,5 +159,8 @@ def vocab_parallel_linear_cross_entropy(hidden: Any, weight: Any, bias: Any, lab
     lo = min(coord * -(-vocab // ranks), vocab)
     w = weight.to_local()
     b = bias.to_local() if bias is not None else None
+    if cast is not None:
+        w = w.to(cast)
+        b = b.to(cast) if b is not None else None
     h = hidden.reshape(-1, hidden.shape[-1])
     return _FN.apply(h, w, b, labels.reshape(-1), num_items, spec, mesh.get_group(), lo, vocab)

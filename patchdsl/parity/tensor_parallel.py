@@ -21,7 +21,7 @@ from typing import Any
 
 from .compare import errors, judge, tolerance_for
 
-LAYOUTS = ("tp", "tp_sp", "fsdp_tp", "ep")
+LAYOUTS = ("tp", "hf_tp", "tp_sp", "fsdp_tp", "ep")
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,39 @@ def tp_plan(model: Any, sequence: bool = False) -> dict[str, Any]:
     return plan
 
 
+def _expand(model: Any, base: dict[str, str], prefix: str = "model.") -> dict[str, str]:
+    """A transformers plan's ``layers.*.`` keys as the model's own module / parameter names."""
+    names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+    plan = {}
+    for key, style in base.items():
+        for i in range(model.config.num_hidden_layers) if "*" in key else (None,):
+            path = prefix + (key.replace("*", str(i)) if i is not None else key)
+            if path in names:
+                plan[path] = style
+    return plan
+
+
+def transformers_tp(model: Any, mesh: Any) -> Any:
+    """transformers' own tensor parallelism (what ``from_pretrained(..., tp_plan="auto")`` applies): the
+    config's ``base_model_tp_plan`` and the causal LM's ``_tp_plan`` through its ``apply_tensor_parallelism``
+    (its styles: colwise / rowwise, q_norm / k_norm replicated_with_grad_allreduce, the LM head
+    colwise_gather_output)."""
+    try:
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, apply_tensor_parallelism
+    except ImportError as e:
+        raise RuntimeError(f"transformers' tensor-parallel API (transformers.distributed.tensor_parallel, 5.21 "
+                           f"and later) is not here: {e}") from None
+    plan = _expand(model, dict(getattr(model.config, "base_model_tp_plan", None) or {}))
+    plan.update(_expand(model, dict(getattr(type(model), "_tp_plan", None) or {}), prefix=""))
+    # from_pretrained shards each weight as it loads it, by its module's style; here the weights exist
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if name in modules:
+            for pname in list(modules[name]._parameters):
+                ALL_PARALLEL_STYLES[style].shard_param(modules[name], pname, mesh)
+    return apply_tensor_parallelism(model, mesh, plan)
+
+
 def expert_parallel(model: Any, mesh: Any) -> Any:
     """transformers' expert parallelism (its ``base_model_ep_plan``: the experts' weights Shard(0) over
     ``mesh["ep"]``, the experts reached through its all-to-all dispatch), with ``mesh["tp"]`` the ranks holding
@@ -99,14 +132,7 @@ def expert_parallel(model: Any, mesh: Any) -> Any:
     base = dict(getattr(model.config, "base_model_ep_plan", None) or {})
     if not base:
         raise ValueError(f"{type(model).__name__} has no base_model_ep_plan")
-    names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
-    plan = {}
-    for i in range(model.config.num_hidden_layers):
-        for key, style in base.items():
-            path = "model." + key.replace("*", str(i))
-            if path in names:
-                plan[path] = style
-    return apply_expert_parallelism(model, mesh["ep"], mesh["tp"], plan)
+    return apply_expert_parallelism(model, mesh["ep"], mesh["tp"], _expand(model, base))
 
 
 def parallelise(model: Any, mesh: Any, layout: str) -> Any:
@@ -119,6 +145,8 @@ def parallelise(model: Any, mesh: Any, layout: str) -> Any:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if layout == "ep":
         return expert_parallel(model, mesh)
+    if layout == "hf_tp":
+        return transformers_tp(model, mesh)
     tp = mesh["tp"] if layout == "fsdp_tp" else mesh
     parallelize_module(model, tp, tp_plan(model, sequence=layout == "tp_sp"))
     if layout == "fsdp_tp":
@@ -244,6 +272,45 @@ def report_lines(result: dict[str, Any]) -> list[str]:
                f"{worst['bound']:.2e}" + ("" if not bad else f"; FAIL: {', '.join(r['name'] for r in bad[:6])}"))
     out.append(f"  {'PASS' if result['passed'] else 'FAIL'}")
     return out
+
+
+def spawn(case: Case, nproc: int, timeout: float = 1800) -> dict[str, Any]:
+    """Run ``case`` as ``nproc`` gloo processes on this machine (the environment torchrun sets, a free port
+    on the loopback) and return rank 0's result; RuntimeError with every rank's output tail when one fails."""
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    loopback = next((n for _, n in socket.if_nameindex() if n in ("lo", "lo0")), None)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        argv = [sys.executable, "-m", "patchdsl.parity.tensor_parallel", "--family", case.family, "--spec", case.spec,
+                "--layout", case.layout, "--steps", str(case.steps), "--json", out]
+        procs = []
+        for r in range(nproc):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+            if loopback:
+                env["GLOO_SOCKET_IFNAME"] = loopback
+            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                outs.append(p.communicate()[0] + f"\n[killed after {timeout:.0f} s]")
+        if not os.path.isfile(out) or any(p.returncode not in (0, 1) for p in procs):
+            tails = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{o[-3000:]}"
+                               for r, (p, o) in enumerate(zip(procs, outs)))
+            raise RuntimeError(f"the {nproc} processes of {case.family} {case.layout} failed:\n{tails}")
+        with open(out) as f:
+            return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> int:

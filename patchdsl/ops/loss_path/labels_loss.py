@@ -187,8 +187,6 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
 
             def fused(h, y, n):
                 w, b = lm.weight, lm.bias                # read now: whole here, whoever shards them
-                if vocab_parallel is not None:           # colwise lm_head (tensor parallelism)
-                    return vocab_parallel_linear_cross_entropy(h, w, b, y, n, vocab_parallel)
                 why = unsharded_reason(w)
                 if why:
                     raise RuntimeError(f"fused_linear_cross_entropy: {why}")
@@ -196,6 +194,10 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
                     w = w.to(autocast)
                     b = b.to(autocast) if b is not None else None
                 return kernels(w.dtype).linear_cross_entropy(h, w, b, y, n)
+
+            if vocab_parallel is not None:               # a colwise lm_head (tensor parallelism): decided at apply
+                def fused(h, y, n):
+                    return vocab_parallel_linear_cross_entropy(h, lm.weight, lm.bias, y, n, vocab_parallel, autocast)
 
             # the weight whole only inside a module's own call (an FSDP2 unit, possibly PEFT's wrapper
             # around lm_head; a ZeRO-3 partition): run the loss as that module's forward
