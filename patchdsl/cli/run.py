@@ -169,9 +169,10 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
               help="Check a parallel run instead: N gloo processes on this machine train the family's tiny model "
                    "parallelised (--tp-layout) and patched, against the single-process model (every step's loss "
                    "and every final parameter; --steps, default 3).")
-@click.option("--tp-layout", type=click.Choice(["tp", "tp_sp", "fsdp_tp", "ep"]), default="tp", show_default=True,
-              help="With --tp: tensor parallelism, + sequence parallelism, FSDP2 + TP on an (N/2, 2) mesh, or "
-                   "transformers' expert parallelism.")
+@click.option("--tp-layout", type=click.Choice(["tp", "hf_tp", "tp_sp", "fsdp_tp", "ep"]), default="tp",
+              show_default=True,
+              help="With --tp: tensor parallelism (parallelize_module), transformers' own TP styles, + sequence "
+                   "parallelism, FSDP2 + TP on an (N/2, 2) mesh, or transformers' expert parallelism.")
 @json_option
 @click.option("--progress", is_flag=True, help="Say on stderr what runs, with elapsed seconds.")
 @include_dir_option

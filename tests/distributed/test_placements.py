@@ -47,3 +47,20 @@ def test_flags_that_do_not_go_with_a_layout_are_refused():
     why = placement_reason(op, SiteLayout("vocab", 2, "weight Shard(0)"), flags)
     assert why and "reduction=none is not vocabulary-parallel" in why
     assert placement_reason(op, SiteLayout("vocab", 2, "weight Shard(0)"), op.default_flags()) is None
+
+
+@pytest.mark.parametrize("args,words", [
+    (["verify", "llama", "-m", "meta-llama/Llama-3.2-1B", "--tp", "3", "--tp-layout", "fsdp_tp"],
+     ["fsdp_tp needs an even number of processes"]),
+    (["verify", "no_such_spec_here", "-m", "meta-llama/Llama-3.2-1B", "--tp", "2"], ["no_such_spec_here"]),
+    (["verify", "llama", "-m", "meta-llama/Llama-3.2-1B", "--tp", "1"], ["--tp"]),
+])
+def test_verify_tp_refuses_bad_input_before_any_process_starts(args, words):
+    from click.testing import CliRunner
+
+    from patchdsl.cli import main
+
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 2, out.output
+    for w in words:
+        assert w in out.output

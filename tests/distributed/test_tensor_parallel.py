@@ -20,18 +20,26 @@ def _cases(ranks):
     return [c for r in ranks for c in r["cases"]]
 
 
-EXPECTED = {"llama tp x2", "qwen3 tp x2", "llama tp_sp x2", "qwen3 tp_sp x2", "llama fsdp_tp x4",
+EXPECTED = {"llama tp x2", "qwen3 hf_tp x2", "llama tp_sp x2", "qwen3 tp_sp x2", "llama fsdp_tp x4",
             "qwen3 fsdp_tp x4", "llama tp x4", "qwen3_moe ep x2", "mixtral ep x2", "qwen3_moe ep x4"}
+
+
+def _skipped(ranks):
+    return {k: v for r in ranks for k, v in r["skipped"].items()}
 
 
 def test_every_case_ran_on_every_rank(ranks):
     errors = [c["error"] + "\n" + c["traceback"] for c in _cases(ranks) if "error" in c]
     assert not errors, "\n\n".join(errors)
-    assert {c["case"] for c in _cases(ranks)} == EXPECTED
+    assert {c["case"] for c in _cases(ranks)} | set(_skipped(ranks)) == EXPECTED
+    # only the cases of transformers' own TP styles / EP dispatch may be missing (transformers < 5.21)
+    assert all(" hf_tp " in k or " ep " in k for k in _skipped(ranks)), _skipped(ranks)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_losses_and_parameters_match_the_single_process_model(ranks, case):
+    if case in _skipped(ranks):
+        pytest.skip(_skipped(ranks)[case])
     rows = [r for c in _cases(ranks) if c.get("case") == case for r in c["rows"]]
     assert rows, f"{case} did not run"
     bad = [f"{r['name']}: {r['err']:.2e} > {r['bound']:.2e}" for r in rows if not r["ok"]]
