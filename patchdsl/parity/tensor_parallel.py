@@ -34,12 +34,15 @@ class Case:
     seq: int = 16
     lr: float = 1e-3
     seed: int = 0
+    config: tuple[tuple[str, Any], ...] = ()     # config fields set on the tiny config (smaller still)
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, config: tuple[tuple[str, Any], ...] = ()):
     from ..model.tiny import tiny_family_config
 
     cfg = tiny_family_config(family)
+    for k, v in config:
+        setattr(cfg, k, v)
     cfg.tie_word_embeddings = False      # a colwise LM head cannot share the (replicated) embedding's weight
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
@@ -192,7 +195,7 @@ def run_case(case: Case, mesh: Any, spec_dir: str | None = None) -> dict[str, An
     from ..model.tiny import build, quiet
     from ..runtime.patch import apply
 
-    cfg = tiny_config(case.family)
+    cfg = tiny_config(case.family, case.config)
     with quiet():
         ref = build(cfg, case.seed).double()
         hf = build(cfg, case.seed)
