@@ -19,6 +19,10 @@ The rules (docs/reliability.md, "Runtime, plan files and the kernel cache"):
 * A ``copy.deepcopy`` of a patched model is patched too, consistently: its forwards are bound to
   the copy and read the copy's weights, and it carries its own record, so ``undo`` of the
   original leaves it alone and :func:`unpatch` (``patchdsl.unpatch``) restores it.
+* DTensor parameters (tensor / sequence / expert parallelism applied before apply): each site's layout
+  is read once here (patchdsl.distributed), refused unless its op declares it, and the kernels are
+  specialised for what the rank holds; a model without DTensor parameters pays one look over its
+  parameters.  A parallel plan applied after apply is refused at ``register_parameter``.
 * Kernels exist for fp32, bf16 and fp16.  A patched forward called with another dtype (a model
   cast to float64 after apply) raises :class:`UnsupportedDtype`, which says to undo first.
 """
