@@ -334,6 +334,25 @@ def distributed_site(op: Op, module: Any, info: ModuleInfo, flags: dict, fsdp: b
     return layout, (localise(info, layout) if why is None else info), why
 
 
+def placements(plan_or_spec: Any, model: Any) -> dict[str, str]:
+    """What each site of the plan (or of the spec, planned here) will run on in ``model``, as apply will
+    decide it, without patching: ``"whole"`` (no DTensor parameters), a layout (``"heads over 2 ranks
+    (...)"``), or ``"refused: <reason>"``."""
+    plan = plan_or_spec if isinstance(plan_or_spec, PatchPlan) else make_plan(plan_or_spec, model)
+    fsdp = has_fsdp(model) if has_dtensors(model) else None
+    modules = dict(model.named_modules())
+    out = {}
+    for site in plan.sites:
+        if site.refused:
+            out[site.path] = f"refused: {site.refused}"
+            continue
+        op, module = get_op(site.op), modules.get(site.path, model)
+        info = plan.infos[site.path].with_host(plan.infos.get(site.host))
+        layout, _, why = distributed_site(op, module, info, site.flag_dict, fsdp)
+        out[site.path] = f"refused: {why}" if why else layout.describe() if layout is not None else "whole"
+    return out
+
+
 def _watch_whole(op: Op, module: Any, host: Any, record: SiteRecord, path: str, what: str) -> None:
     """A site patched on unsharded parameters refuses a tensor-parallel plan applied to it afterwards
     (patchdsl.distributed.watch: at parallelize_module's register_parameter, nothing per call)."""

@@ -101,6 +101,15 @@ def refusals_name_the_reason(ranks) -> list[str]:
               (sp["refused"].get("lm_head", ""), ("fused_linear_logprobs", "vocab over 2 ranks")),
               (ref["ce_none"].get("lm_head", ""), ("reduction=none is not vocabulary-parallel",)),
               (ref["after"] or "", ("ParallelisedAfterPatch", "q_proj.weight", "Parallelise first, then patchdsl.apply"))]
+    before = sp["before"]        # runtime.placements: the same decisions before apply
+    for path, reason in sp["refused"].items():
+        if before.get(path) != f"refused: {reason}":
+            bad.append(f"placements() said {before.get(path)!r} for {path}, apply refused: {reason!r}")
+    for path, where in sp["placements"].items():
+        if before.get(path) != where:
+            bad.append(f"placements() said {before.get(path)!r} for {path}, apply ran it on {where!r}")
+    if before.get("model.layers.0.input_layernorm") != sp["placements"].get("model.layers.0.input_layernorm"):
+        bad.append("input_layernorm layouts differ")
     for text, words in checks:
         bad += [f"{word!r} not in {text!r}" for word in words if word not in text]
     return bad

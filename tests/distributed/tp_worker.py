@@ -158,9 +158,12 @@ model.layers.*: DecoderLayer -> fused_add_rmsnorm
 *.mlp: SwiGLU -> fused_swiglu
 lm_head: Linear -> fused_linear_logprobs
 """
+    from patchdsl.runtime import placements
+
+    before = placements(spec, m)             # what apply will decide, before patching
     h = apply(spec, m)
     res["sp"] = {"patched": sorted(h.patched), "refused": {r.path: r.reason for r in h.refused},
-                 "placements": h.placements}
+                 "placements": h.placements, "before": before}
     h.undo()
     h = apply('lm_head: Linear -> fused_linear_cross_entropy(reduction="none")', m)
     res["ce_none"] = {r.path: r.reason for r in h.refused}
