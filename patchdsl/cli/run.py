@@ -161,14 +161,26 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
               help="Vision-language models: feed an image batch built from the config, so the vision tower runs "
                    "and its sites are judged (default: images when a batch runs, else text only with the "
                    "reason; --images fails with the reason instead), or text only.")
+@click.option("--tp", type=click.IntRange(2, 64), default=None,
+              help="Check a parallel run instead: N gloo processes on this machine train the family's tiny model "
+                   "parallelised (--tp-layout) and patched, against the single-process model (every step's loss "
+                   "and every final parameter; --steps, default 3).")
+@click.option("--tp-layout", type=click.Choice(["tp", "hf_tp", "tp_sp", "fsdp_tp", "ep"]), default="tp",
+              show_default=True,
+              help="With --tp: tensor parallelism (parallelize_module), transformers' own TP styles, + sequence "
+                   "parallelism, FSDP2 + TP on an (N/2, 2) mesh, or transformers' expert parallelism.")
 @json_option
 @click.option("--progress", is_flag=True, help="Say on stderr what runs, with elapsed seconds.")
 @include_dir_option
-def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, reference, images, as_json,
-           progress) -> None:
+def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, reference, images, tp, tp_layout,
+           as_json, progress) -> None:
     """Prove gradient parity of the patched model against a float64 reference."""
     from ..parity import verify as run_verify
     from ..parity.stream import VerifyError, build_dtype
+
+    if tp is not None:
+        _verify_parallel(spec, model, tp, tp_layout, steps or 3, as_json)
+        return
 
     device = _device(device)
     dtype = dtype or _default_dtype(device)
@@ -221,3 +233,24 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, re
             for line in report.plain_lines():
                 click.echo(line)
     sys.exit(report.exit_code())
+
+
+def _verify_parallel(spec: str, model: str, nproc: int, layout: str, steps: int, as_json: bool) -> None:
+    """verify --tp: the family's tiny model on ``nproc`` gloo processes (patchdsl.parity.tensor_parallel)."""
+    from ..parity.tensor_parallel import Case, report_lines, spawn
+
+    _read_spec(spec)                                          # a bad spec: exit 2 before any process starts
+    family = _load_model(model, meta=True, tiny=True, log=lambda m: None).model.config.model_type
+    if layout == "fsdp_tp" and nproc % 2:
+        raise UsageFailure(f"--tp-layout fsdp_tp needs an even number of processes, got --tp {nproc}")
+    try:
+        res = spawn(Case(family, spec, layout, steps=steps), nproc)
+    except RuntimeError as e:
+        raise UsageFailure(str(e)) from None
+    if as_json:
+        click.echo(json.dumps({"ok": res["passed"], "exit_code": 0 if res["passed"] else 1, **res}, indent=2,
+                              default=str))
+    else:
+        for line in report_lines(res):
+            click.echo(line)
+    sys.exit(0 if res["passed"] else 1)

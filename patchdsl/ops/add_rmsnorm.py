@@ -294,6 +294,7 @@ def _compare(module, cls, replacement, hidden, named, seed, must_run) -> str | N
 class FusedAddRMSNorm(Op):
     name = "fused_add_rmsnorm"
     kinds = ("DecoderLayer",)
+    placements = ()          # the residual add spans the layer: its sequence-parallel form is not written
     template = "fused_add_rmsnorm.py.j2"
     covers = ("post_attention_layernorm",)
     doc = ("A pre-norm decoder layer's `residual + attn_out` and `post_attention_layernorm` in one kernel "

@@ -132,6 +132,11 @@ class Op:
     # sm_90 compile test asks every op that has them to launch one
     triton_kernels: ClassVar[bool] = True
     positional: ClassVar[tuple[str, ...]] = ()  # flags that may be given as positional values
+    # The DTensor layouts (patchdsl.distributed.PLACEMENTS: "replicated", "heads", "columns", "vocab",
+    # "experts") a site of this op can run on, besides unsharded parameters.  Every op declares it in its
+    # own class body (tests/distributed/test_placements.py); a site whose parameters show another layout
+    # is refused at apply time with the reason.
+    placements: ClassVar[tuple[str, ...] | None] = None
     any_kind: ClassVar[bool] = False          # may replace any selected module (Hub layers)
 
     # ---- pure, planning time -------------------------------------------------------
@@ -206,6 +211,10 @@ class Op:
         import types
 
         return [(host, "forward", types.MethodType(self.make_forward(host, kernels, flags, info), host))]
+
+    def placement_reason(self, flags: Mapping[str, Any], layout: str) -> str | None:
+        """Why this site's flags do not go with ``layout`` (one of :attr:`placements`), or None."""
+        return None
 
     def parity_floor(self, flags: Mapping[str, Any], dtype: str) -> float | None:
         """verify's floor for this op's sites instead of the dtype's (None: the dtype's).  Ops that are

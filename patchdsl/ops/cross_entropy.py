@@ -126,6 +126,7 @@ class FusedCrossEntropy(Op):
     name = "fused_cross_entropy"
     loss_role = "fused_cross_entropy"      # what loss_path checks the host for (shared with liger.* loss ops)
     kinds = ("Linear",)
+    placements = ()          # logits sharded over the vocabulary: use fused_linear_cross_entropy
     template = "fused_cross_entropy.py.j2"
     doc = ("The causal-LM loss on logits in one Triton kernel per row (online logsumexp for long rows); "
            "the gradient is computed in the forward, the backward scales it without a host sync.")

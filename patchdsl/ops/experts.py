@@ -42,6 +42,9 @@ FP8_ALIGN = 16          # the fp8 grouped GEMM: hidden and intermediate multiple
 class FusedExperts(Op):
     name = "fused_experts"
     kinds = ("Experts",)
+    # expert parallelism: the kernel specialised for this rank's experts, called by transformers' dispatch
+    # (patchdsl.distributed); an index outside them (the sentinel of a slot routed elsewhere) adds nothing
+    placements = ("experts",)
     template = "fused_experts.py.j2"
     doc = ("the expert MLPs of a mixture-of-experts layer: slots sorted by expert on the device (no host "
            "sync), grouped GEMMs over contiguous rows, the activation, routing weight and per-token sum in "
@@ -154,8 +157,6 @@ class FusedExperts(Op):
         if not f:
             return (f"{where} is not an Experts module (needs 3-D gate_up_proj / down_proj parameters and a "
                     "forward(hidden, top_k_index, top_k_weights) computing a gated MLP per expert)")
-        if module.__dict__.get("_is_expert_parallel"):
-            return f"{where} is sharded over experts (expert parallelism); the fused experts need every expert"
         if getattr(module, "has_post_expert_norm", False):
             return f"{where} normalises each expert's output (post_expert_norm); not fused"
         from ..model.kinds.experts import experts as recognise

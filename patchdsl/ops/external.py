@@ -28,6 +28,7 @@ class ExternalOp(Op):
     """The base of every external op: the lifecycle of a third-party kernel (source, lock, load)."""
 
     external: ClassVar[bool] = True
+    placements = ()          # a third-party kernel: what it does with a shard is not known here
 
     def locate(self, name: str, value: Any, file: str) -> Any:
         """A flag value as given in ``file`` made independent of it (a local repository path resolved

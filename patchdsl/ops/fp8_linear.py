@@ -89,6 +89,7 @@ def fp8_unavailable(target: str, emulate: bool) -> str | None:
 class FP8Linear(Op):
     name = "fp8_linear"
     kinds = ("Linear",)
+    placements = ()          # its scales are per tensor: a shard would need the whole tensor's amax
     template = "fp8_linear.py.j2"
     triton_kernels = True        # the rowwise quantisation kernels (tensorwise: torch ops and torch._scaled_mm only)
     doc = ("a projection's forward and backward matmuls in fp8 (torch._scaled_mm) with dynamic tensorwise or rowwise "

@@ -19,6 +19,7 @@ from .rmsnorm import row_launch
 class FusedLayerNorm(Op):
     name = "fused_layernorm"
     kinds = ("LayerNorm",)
+    placements = ("replicated",)
     template = "fused_layernorm.py.j2"
     doc = "LayerNorm forward and backward in one kernel each (dx, dW, dB); dW/dB reduced on the device."
     flags = (

@@ -154,6 +154,8 @@ class ChunkedHeadOp(Op):
     share: fused_linear_logprobs and fused_linear_jsd.  Each adds its flags, template and forward;
     ``extra_params`` / ``name_tags`` add its own kernel parameters and name parts."""
 
+    placements = ()          # a vocabulary-parallel form of log-probs / JSD is not written
+
     wraps_instance_forward = True      # calls the op does not compute go to the forward found on the instance
     kinds = ("Linear",)
 
@@ -210,6 +212,7 @@ class FusedLinearCrossEntropy(Op):
     name = "fused_linear_cross_entropy"
     loss_role = "fused_linear_cross_entropy"      # what loss_path checks the host for (shared with liger.* loss ops)
     kinds = ("Linear",)
+    placements = ("vocab",)
     template = "fused_linear_cross_entropy.py.j2"
     doc = ("lm_head matmul + cross entropy, never materialising the (tokens, vocab) logits. mode=chunked "
            "(default): token chunks with their logits in a buffer (cuBLAS), gradients computed in the forward "
@@ -293,7 +296,23 @@ class FusedLinearCrossEntropy(Op):
         from ..model.forward.causal_lm import require_host
         from .loss_path import install_forward
         require_host(host, info, flags, self.loss_role)
-        return install_forward(host, kernels, flags, "linear")
+        return install_forward(host, kernels, flags, "linear", self.vocab_parallel(info, flags))
+
+    def vocab_parallel(self, info: ModuleInfo, flags: Mapping[str, Any]) -> Any:
+        """The loss spec of the vocabulary-parallel loss when apply found the LM head sharded over the
+        vocabulary (``Placement`` layout ``vocab``), else None (the kernel, as on one device)."""
+        if info.facts("Placement").get("layout") != "vocab":
+            return None
+        import torch
+
+        from ..distributed.vocab import LossSpec
+        target = "cuda" if torch.cuda.is_available() else "interpreter"     # the chunk: as the kernel's
+        return LossSpec.of(self.key_params(info, flags, info.dtype or "fp32", target))
+
+    def placement_reason(self, flags: Mapping[str, Any], layout: str) -> str | None:
+        if layout == "vocab" and flags.get("reduction", "mean") == "none":
+            return "reduction=none is not vocabulary-parallel (one loss per token would need its gradient rows rescaled)"
+        return None
 
 
 register(FusedLinearCrossEntropy())

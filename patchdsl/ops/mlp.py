@@ -42,6 +42,7 @@ OUTPUT_DROPOUT_ATTRS = ("residual_dropout",)
 class FusedMLP(Op):
     name = "fused_mlp"
     kinds = ("MLP",)
+    placements = ()
     template = "fused_mlp.py.j2"
     doc = ("plain (non-gated) MLP down(act(up(x))): the activation (gelu, gelu_tanh, relu, relu2, silu, "
            "quick_gelu) fused; with recompute the down projection runs inside the op, so only up(x) is saved "

@@ -74,6 +74,7 @@ def _block_bwd_programs_per_sm(q_heads_pad: int) -> int:
 class FusedQKNormRope(Op):
     name = "fused_qk_norm_rope"
     kinds = ("Attention",)
+    placements = ("heads",)
     template = "fused_qk_norm_rope.py.j2"
     covers = ("q_norm", "k_norm")
     doc = ("Per-head q_norm/k_norm RMSNorm (Qwen3, Gemma3) + RoPE of q and k in one kernel, forward and "

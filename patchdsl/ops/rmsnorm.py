@@ -94,6 +94,7 @@ def rms_kernel_name(op_name: str, params: Mapping[str, Any]) -> str:
 class FusedRMSNorm(Op):
     name = "fused_rmsnorm"
     kinds = ("RMSNorm",)
+    placements = ("replicated",)
     template = "fused_rmsnorm.py.j2"
     doc = "RMSNorm forward and backward in one kernel each; dW reduced on the device."
     flags = RMS_FLAGS

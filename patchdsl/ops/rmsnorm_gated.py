@@ -24,6 +24,7 @@ GATED_BLOCK_MAX = 16384
 class FusedRMSNormGated(Op):
     name = "fused_rmsnorm_gated"
     kinds = ("GatedRMSNorm",)
+    placements = ()
     template = "fused_rmsnorm_gated.py.j2"
     doc = ("Gated RMSNorm (norm(x) * w * silu/sigmoid(gate), linear-attention output norms): forward and backward "
            "(dx, dgate, dW) in one kernel each; dW reduced on the device.")

@@ -166,6 +166,7 @@ def rope_route(module: Any, f: Mapping[str, Any]):
 class FusedRope(Op):
     name = "fused_rope"
     kinds = ("Attention",)
+    placements = ("heads",)
     template = "fused_rope.py.j2"
     doc = ("RoPE of q and k in one launch, forward and backward: rotate_half (Llama), interleaved pairs "
            "(Cohere; GLM's half-width cos), partial rotary; replaces the attention forward, keeping "

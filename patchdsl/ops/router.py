@@ -111,6 +111,7 @@ def routing_misfit(f: Mapping[str, Any]) -> str | None:
 class FusedRouter(Op):
     name = "fused_router"
     kinds = ("Router",)
+    placements = ()
     template = "fused_router.py.j2"
     doc = ("a mixture-of-experts router's scoring, top-k (exact ties to the lower index) and normalisation in "
            "one kernel, with a backward to the logits through the selected weights: softmax top-k (renormalised "

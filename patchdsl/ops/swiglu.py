@@ -73,6 +73,7 @@ class FusedGLU(Op):
     """Shared by fused_swiglu and fused_geglu; subclasses set the kind and how to pick the activation."""
 
     template = "fused_glu.py.j2"
+    placements = ("columns",)
     kind: str = ""
     fn: str = ""       # name of the generated entry point: swiglu / geglu
     cls_name: str = ""

@@ -10,6 +10,7 @@ optimizers built before patching, and checkpoints are unaffected.
 (Training a patched model faster -- CUDA graphs of a step, torch.compile -- is :mod:`patchdsl.training`.)
 """
 
-from .patch import PatchError, PatchHandle, Refusal, UnsupportedDtype, apply, patch_module, unpatch
+from .patch import PatchError, PatchHandle, Refusal, UnsupportedDtype, apply, patch_module, placements, unpatch
 
-__all__ = ["PatchError", "PatchHandle", "Refusal", "UnsupportedDtype", "apply", "patch_module", "unpatch"]
+__all__ = ["PatchError", "PatchHandle", "Refusal", "UnsupportedDtype", "apply", "patch_module", "placements",
+           "unpatch"]

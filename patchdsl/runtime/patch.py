@@ -19,6 +19,10 @@ The rules (docs/reliability.md, "Runtime, plan files and the kernel cache"):
 * A ``copy.deepcopy`` of a patched model is patched too, consistently: its forwards are bound to
   the copy and read the copy's weights, and it carries its own record, so ``undo`` of the
   original leaves it alone and :func:`unpatch` (``patchdsl.unpatch``) restores it.
+* DTensor parameters (tensor / sequence / expert parallelism applied before apply): each site's layout
+  is read once here (patchdsl.distributed), refused unless its op declares it, and the kernels are
+  specialised for what the rank holds; a model without DTensor parameters pays one look over its
+  parameters.  A parallel plan applied after apply is refused at ``register_parameter``.
 * Kernels exist for fp32, bf16 and fp16.  A patched forward called with another dtype (a model
   cast to float64 after apply) raises :class:`UnsupportedDtype`, which says to undo first.
 """
@@ -31,6 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..codegen import KernelKey, load_kernel
+from ..distributed import has_dtensors, localise, placement_reason, site_layout, wrap_installs
+from ..distributed.layout import has_fsdp
+from ..distributed.layout import site_scope
+from ..distributed.local import covered_hooks
+from ..distributed.watch import watch
 from ..kernel_support.custom_ops import compiling
 from ..codegen.env import target as detect_target
 from ..model.index import module_info
@@ -155,6 +164,8 @@ class PatchHandle:
     plan: Any
     patched: list[str] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
+    # site path -> the DTensor layout it runs on (patchdsl.distributed), for sites that have one
+    placements: dict[str, str] = field(default_factory=dict)
     left: list[str] = field(default_factory=list)       # attributes undo left alone (changed since apply)
     _undo: list[tuple[Any, str, Any, Any]] = field(default_factory=list, repr=False)
     active: bool = True
@@ -307,6 +318,59 @@ def unsharded_name(class_name: str) -> str:
 
 
 
+def distributed_site(op: Op, module: Any, info: ModuleInfo, flags: dict, fsdp: bool | None):
+    """(layout or None, the info the kernels are specialised for, refusal or None) of a site under DTensor
+    parallelism; ``fsdp`` None: the model has no DTensor parameter (nothing is looked at)."""
+    if fsdp is None:
+        return None, info, None
+    from ..model.modules import unwrap
+
+    layout = site_layout(op.kinds, unwrap(module), info, fsdp, op.covers)
+    if layout is None:
+        return None, info, None
+    why = placement_reason(op, layout, flags)
+    if why is None and layout.name == "heads":
+        why = covered_hooks(unwrap(module), op.covers)
+    return layout, (localise(info, layout) if why is None else info), why
+
+
+def placements(plan_or_spec: Any, model: Any) -> dict[str, str]:
+    """What each site of the plan (or of the spec, planned here) will run on in ``model``, as apply will
+    decide it, without patching: ``"whole"`` (no DTensor parameters), a layout (``"heads over 2 ranks
+    (...)"``), or ``"refused: <reason>"``."""
+    plan = plan_or_spec if isinstance(plan_or_spec, PatchPlan) else make_plan(plan_or_spec, model)
+    fsdp = has_fsdp(model) if has_dtensors(model) else None
+    modules = dict(model.named_modules())
+    out = {}
+    for site in plan.sites:
+        if site.refused:
+            out[site.path] = f"refused: {site.refused}"
+            continue
+        op, module = get_op(site.op), modules.get(site.path, model)
+        info = plan.infos[site.path].with_host(plan.infos.get(site.host))
+        layout, _, why = distributed_site(op, module, info, site.flag_dict, fsdp)
+        out[site.path] = f"refused: {why}" if why else layout.describe() if layout is not None else "whole"
+    return out
+
+
+def _watch_whole(op: Op, module: Any, host: Any, record: SiteRecord, path: str, what: str) -> None:
+    """A site patched on unsharded parameters refuses a tensor-parallel plan applied to it afterwards
+    (patchdsl.distributed.watch: at parallelize_module's register_parameter, nothing per call)."""
+    import weakref
+
+    from ..model.modules import unwrap
+
+    ref = weakref.ref(host)
+
+    def still_patched() -> bool:
+        h = ref()
+        return h is not None and h.__dict__.get(SITE_ATTR) is record
+
+    mods = [(".".join(x for x in (path, pre, sub) if x), m)
+            for pre, top in site_scope(op.kinds, op.covers, unwrap(module)) for sub, m in top.named_modules()]
+    watch(mods, what, still_patched)
+
+
 def uncovered_modules(plan: PatchPlan, model: Any) -> list[Refusal]:
     """Modules of ``model`` the plan never saw (not in ``plan.structure``) that are like a site of it
     (same leaf name and class: ``model.layers.5.mlp`` beside a plan for ``model.layers.1.mlp``), as
@@ -376,6 +440,7 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
         if log:
             log(str(r))
     modules = dict(model.named_modules())      # snapshot before patching
+    fsdp = has_fsdp(model) if has_dtensors(model) else None     # DTensor layouts: looked at only then
     try:
         for site in plan.sites:
             op = get_op(site.op)
@@ -399,10 +464,16 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                     reason, info = _live_reason(site, op, plan, module, host, target)
             if reason is None:
                 reason = check_site(op, module, host, info, flags)
+            layout = None
+            if reason is None:
+                layout, info, reason = distributed_site(op, module, info, flags, fsdp)
             installs = []
             if reason is None:
                 kernels = kernel_getter(op, info, flags, target, list(plan.dtypes) if preload else [])
-                for obj, attr, value in op.install(host, kernels, flags, info):
+                wanted = op.install(host, kernels, flags, info)
+                if layout is not None:          # what the layout needs around the forward (distributed/)
+                    wanted, reason = wrap_installs(layout.name, op.covers, host, wanted)
+                for obj, attr, value in wanted if reason is None else ():
                     if attr == "forward" and not op.wraps_instance_forward:
                         attr, why = _forward_slot(obj)
                         if why:
@@ -422,6 +493,12 @@ def apply(plan_or_spec: Any, model: Any, *, strict: bool = False, preload: bool 
                 set_recorded(handle, record if obj is host else None, obj, attr, value)
             set_recorded(handle, None, host, SITE_ATTR, record)
             handle.patched.append(site.path)
+            if layout is not None:
+                handle.placements[site.path] = layout.describe()
+                if log:
+                    log(f"{site.path}: {site.op} on {layout.describe()}")
+            else:
+                _watch_whole(op, module, host, record, site.path, f"{site.path or '<model>'} ({site.op})")
         if plan.attention is not None:
             # the model's attention implementation, on this instance only (see ops/attention_impl.py)
             for obj, attr, value in plan.attention.install(model):
@@ -447,12 +524,21 @@ def patch_module(module: Any, op_name: str, *, target: str | None = None, **flag
         resolved[k] = spec.coerce(v)
     handle = PatchHandle(None)
     reason = check_site(op, module, module, info, resolved)
+    layout = None
+    if reason is None and has_dtensors(module):
+        layout, info, reason = distributed_site(op, module, info, resolved, has_fsdp(module))
     if reason:
         raise PatchError(f"refused {op_name} on {type(module).__name__}: {reason}")
     # the module's own dtype is loaded now: a kernel cannot be loaded while torch.compile traces
     preload = [info.dtype] if info.dtype in DTYPES else []
     kernels = kernel_getter(op, info, resolved, target, preload)
-    for obj, attr, value in op.install(module, kernels, resolved, info):
+    installs = op.install(module, kernels, resolved, info)
+    if layout is not None:
+        installs, why = wrap_installs(layout.name, op.covers, module, installs)
+        if why:
+            raise PatchError(f"refused {op_name} on {type(module).__name__}: {why}")
+        handle.placements[""] = layout.describe()
+    for obj, attr, value in installs:
         if attr == "forward" and not op.wraps_instance_forward:
             attr, why = _forward_slot(obj)
             if why:

@@ -28,6 +28,9 @@ def render_ops_md() -> str:
                    else "- kernel: external (loaded, not generated; see `docs/interop.md`)")]
         if op.covers:
             lines.append(f"- fuses the child modules: {', '.join('`' + c + '`' for c in op.covers)}")
+        lines.append("- DTensor layouts (tensor / sequence / expert parallelism, `docs/distributed.md`): "
+                     + (", ".join('`' + p + '`' for p in op.placements) if op.placements
+                        else "none (unsharded parameters only)"))
         if op.flags:
             lines += ["", "| flag | type | default | meaning |", "|---|---|---|---|"]
             for f in op.flags:

@@ -137,6 +137,9 @@ def experts(m: Any) -> dict | None:
         for a in ("intermediate_dim", "intermediate_size"):
             if isinstance(clone.__dict__.get(a), int):
                 clone.__dict__[a] = i
+        if isinstance(clone.__dict__.get("num_experts"), int):
+            # the stand-in holds E experts (expert parallelism sets the module's count to its rank's share)
+            clone.__dict__["num_experts"] = E
         try:
             with torch.no_grad():
                 out = fwd(clone, x.clone(), idx.clone(), w.clone())

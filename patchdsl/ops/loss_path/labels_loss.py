@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 
 from ..common import signature_binder
 from ...model.modules import unwrap
+from ...distributed import vocab_parallel_linear_cross_entropy
 from .sharding import call_as_forward, head_gather, unsharded_reason
 from ...model.forward.causal_lm import ForwardShape, forward_shape, host_body
 from ...model.forward.router_loss import router_loss
@@ -137,11 +138,13 @@ def original_forward(host: Any) -> Callable:
     return original
 
 
-def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str) -> Callable:
+def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str, vocab_parallel: Any = None) -> Callable:
     """The replacement ``forward(self, *args, **kwargs)`` for the causal LM ``host``.
 
     ``mode="linear"``: fused linear cross entropy from the hidden states (logits=None).
     ``mode="logits"``: logits from ``self.lm_head`` (returned), loss by the fused cross entropy.
+    ``vocab_parallel``: the loss spec (patchdsl.distributed.vocab.LossSpec) of an LM head sharded over the
+    vocabulary (decided at apply time): the vocabulary-parallel loss instead of the kernel.
     """
     import torch
 
@@ -193,6 +196,10 @@ def make_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: s
                     b = b.to(autocast) if b is not None else None
                 return kernels(w.dtype).linear_cross_entropy(h, w, b, y, n)
 
+            if vocab_parallel is not None:               # a colwise lm_head (tensor parallelism): decided at apply
+                def fused(h, y, n):
+                    return vocab_parallel_linear_cross_entropy(h, lm.weight, lm.bias, y, n, vocab_parallel, autocast)
+
             # the weight whole only inside a module's own call (an FSDP2 unit, possibly PEFT's wrapper
             # around lm_head; a ZeRO-3 partition): run the loss as that module's forward
             owner = self.lm_head if head_gather(self.lm_head) == "fsdp2" else lm
@@ -238,5 +245,5 @@ def make_loss_function(kernels: Callable, flags: Mapping[str, Any], original: Ca
     return fused_causal_lm_loss
 
 
-def install_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str) -> list:
-    return [(host, "forward", types.MethodType(make_forward(host, kernels, flags, mode), host))]
+def install_forward(host: Any, kernels: Callable, flags: Mapping[str, Any], mode: str, vocab_parallel: Any = None) -> list:
+    return [(host, "forward", types.MethodType(make_forward(host, kernels, flags, mode, vocab_parallel), host))]
