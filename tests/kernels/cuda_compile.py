@@ -269,6 +269,9 @@ def _no_matmul_mode():
     # fp8_linear's torch._scaled_mm too: emulated on the CPU, one fp8 LM-head product at a 100k vocab
     # took 10 s, once per flag variant
     products = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
+    # the fp8 experts' grouped products: torch has no CPU kernel for _scaled_grouped_mm (the meta one
+    # gives the shape; nothing of its values reaches a launch)
+    products |= {aten._scaled_grouped_mm} if hasattr(aten, "_scaled_grouped_mm") else set()
 
     def to_meta(x):
         return x.to("meta") if isinstance(x, torch.Tensor) else x
