@@ -296,7 +296,34 @@ def _no_matmul_mode():
     return NoMatmul()
 
 
-def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bool = True) -> dict:
+def flag_homes() -> dict[str, list[tuple[str, dict]]]:
+    """variant -> the (op name, flag overrides) whose flag variant is compiled with that variant: the
+    first variant (in VARIANTS order) with a site for it.  A compiled-in mode (label smoothing, fp8,
+    a small block...) is compiled once, at the first family that has it, not at every family again
+    (the flag variants were two thirds of the whole compile test's time); every family still compiles
+    every op's default kernels in its own facts and widths."""
+    from patchdsl.model.index import build_index
+
+    homes: dict[str, list] = {v: [] for v in VARIANTS}
+    models = {}
+    for op in _generated_ops():
+        for fv in flag_variants(op):
+            flags = resolved_flags(op, fv)
+            for v in VARIANTS:
+                if op.name not in VARIANT_OPS.get(v, (op.name,)):
+                    continue
+                if v not in models:
+                    m = build_model(v, "bf16", meta=True)
+                    models[v] = (m, build_index(m))
+                if accepted_sites(op, *models[v], flags):
+                    homes[v].append((op.name, fv))
+                    break
+    return homes
+
+
+def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bool | list = True) -> dict:
+    """Record and compile ``variant``'s launches; ``flag_variants_too``: True (every op's flag
+    variants, with the first dtype), False (none), or a list of [op name, overrides] to run."""
     os.environ.setdefault("PATCHDSL_CACHE", os.path.join(out, "kernels"))
     import torch
     import triton
@@ -333,8 +360,11 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
             embeds = torch.full((2, 8, model.config.hidden_size), 0.01, dtype=model.dtype, requires_grad=True)
             gen = [op for op in _generated_ops() if op.name in VARIANT_OPS.get(variant, (op.name,))]
             passes = [(op, {}) for op in gen]
-            if flag_variants_too and dtype == dtypes[0]:
+            if flag_variants_too is True and dtype == dtypes[0]:
                 passes += [(op, fv) for op in gen for fv in flag_variants(op)]
+            elif flag_variants_too and dtype == dtypes[0]:
+                by_name = {op.name: op for op in gen}
+                passes += [(by_name[n], fv) for n, fv in flag_variants_too if n in by_name]
             for op, overrides in passes:
                 undo, sites = [], []
                 flags = resolved_flags(op, overrides)
@@ -433,7 +463,7 @@ def run_variant(variant: str, dtypes: list[str], out: str, flag_variants_too: bo
 
 
 # ----------------------------------------------------------------------------------- parent
-def compile_variant(tmp_path, variant: str, dtypes: list[str], flag_variants_too: bool = True,
+def compile_variant(tmp_path, variant: str, dtypes: list[str], flag_variants_too: bool | list = True,
                     timeout: float = 900) -> dict:
     """Run :func:`run_variant` in a subprocess with the interpreter off; return its report.
 

@@ -8,14 +8,18 @@ op: a new op is covered as soon as it is registered and some variant below has a
 (test_every_op_has_a_site says when none does).
 """
 
+import functools
+
 import pytest
 
-from .cuda_compile import VARIANT_OPS, VARIANTS, accepted_sites, build_model, compile_variant, flag_variants, resolved_flags
+from .cuda_compile import (VARIANT_OPS, VARIANTS, _generated_ops, accepted_sites, build_model, compile_variant,
+                           flag_homes, flag_variants, resolved_flags)
 
 # Qwen3 in every dtype; the other families (different facts: offset 1 / gelu_tanh / softcap,
 # fused gate_up and qkv with partial rotary, LayerNorm with bias) in bf16.  One test per (family,
-# dtype), so the pytest-xdist workers share them out and progress shows; the flag variants (other
-# compiled-in modes) are compiled with each family's first dtype.
+# dtype), so the pytest-xdist workers share them out and progress shows; each flag variant (another
+# compiled-in mode) is compiled once, with the first family that has a site for it (flag_homes), in
+# that family's first dtype.
 DTYPES = {"qwen3": ["bf16", "fp32", "fp16"], "gemma3": ["bf16"], "phi3": ["bf16"], "stablelm": ["bf16"],
           "qwen3_moe": ["bf16"], "gpt_oss": ["bf16"], "starcoder2": ["bf16"], "glm4": ["bf16"],
           "qwen3_next": ["bf16"], "deepseek_v3": ["bf16"]}
@@ -25,14 +29,25 @@ CASES = [(v, dt) for v in VARIANTS for dt in DTYPES[v]]
 @pytest.mark.parametrize("variant,dtype", CASES, ids=[f"{v}-{d}" for v, d in CASES])
 def test_cuda_kernels_compile_for_sm90(tmp_path, variant, dtype):
     first = dtype == DTYPES[variant][0]
-    rep = compile_variant(tmp_path, variant, [dtype], flag_variants_too=first)
+    mine = _homes()[variant] if first else []
+    rep = compile_variant(tmp_path, variant, [dtype], flag_variants_too=[[n, fv] for n, fv in mine] or False)
     assert not rep["errors"], "\n\n".join(rep["errors"])[:6000]
     assert rep["modules"], "no generated module was imported"
     if first:
-        # with the flag variants every @triton.jit function is reached (launched, called from a
-        # launched kernel, or its identical source compiled from another mode's module); a run of
-        # the default flags alone leaves mode-only helpers (e.g. reduction=none's scaling) unreached
-        assert not rep["uncompiled"], f"@triton.jit functions never launched nor compiled: {rep['uncompiled']}"
+        # an op all of whose flag variants ran here (or that has none): every @triton.jit function of
+        # its modules is reached (launched, called from a launched kernel, or its identical source
+        # compiled from another mode's module); the default flags alone leave mode-only helpers (e.g.
+        # reduction=none's scaling) unreached, so ops whose modes compile with another family are
+        # judged there
+        complete = {op.name for op in _generated_ops()
+                    if all((op.name, fv) in [(n, f) for n, f in mine] for fv in flag_variants(op))}
+        names = sorted((op.name for op in _generated_ops()), key=len, reverse=True)
+
+        def op_of(module: str) -> str | None:
+            stem = module.rsplit(".", 2)[-2] if module.count(".") >= 1 else module
+            return next((n for n in names if stem.startswith(n + "_")), None)
+        unreached = [u for u in rep["uncompiled"] if op_of(u) in complete]
+        assert not unreached, f"@triton.jit functions never launched nor compiled: {unreached}"
     # every op that had a site launched at least one kernel of its own module (a module that defines
     # Triton kernels: fp8_linear's calls torch._scaled_mm), in every dtype
     compiled_modules = {c["module"] for c in rep["compiled"]}
@@ -44,6 +59,20 @@ def test_cuda_kernels_compile_for_sm90(tmp_path, variant, dtype):
         for dt, sites in by_dtype.items():
             if sites and " " not in label:     # default flags: every dtype
                 assert any(s.startswith(label + "_") and f"_{dt}_" in s for s in stems), (label, dt, sites)
+
+
+@functools.lru_cache(maxsize=1)
+def _homes():
+    return flag_homes()
+
+
+def test_every_flag_variant_has_a_home():
+    """Each op's every flag variant is compiled with exactly one family (the first with a site)."""
+    homes = _homes()
+    placed = [(n, repr(fv)) for v in homes for n, fv in homes[v]]
+    assert len(placed) == len(set(placed))
+    want = {(op.name, repr(fv)) for op in _generated_ops() for fv in flag_variants(op)}
+    assert set(placed) == want, want - set(placed)
 
 
 def test_every_op_has_a_site():
