@@ -93,7 +93,9 @@ def parse_dtype(dtype: Any):
             return "auto"
         if s in _DTYPES:
             return getattr(torch, _DTYPES[s])
-    raise ModelLoadError(f"unknown dtype {dtype!r}: use fp32, bf16 or fp16 (or a torch.dtype)")
+    from ..util.vocab import dtype_hint
+
+    raise ModelLoadError(f"unknown dtype {dtype!r}: {dtype_hint(dtype)} (or a torch.dtype)")
 
 
 def _offline() -> bool:

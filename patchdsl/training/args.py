@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from ..util.vocab import DTYPES, canonical_dtype
+from ..util.vocab import DTYPES, canonical_dtype, dtype_hint
 
 LOG_LEVELS = ("totals", "sites", "none")
 
@@ -76,7 +76,7 @@ def validate_kpatch_fields(args: Any) -> None:
                 raise ValueError(f"kpatch_dtype: each entry is a dtype name (fp32, bf16, fp16), got {d!r:.80}")
             name = canonical_dtype(d.strip().lower())
             if name not in DTYPES:
-                raise ValueError(f"kpatch_dtype: unknown dtype {d!r}; use fp32, bf16 or fp16")
+                raise ValueError(f"kpatch_dtype: unknown dtype {d!r}; {dtype_hint(d)}")
             if name not in out:
                 out.append(name)
         args.kpatch_dtype = out or None

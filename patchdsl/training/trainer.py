@@ -319,13 +319,20 @@ def _spec_from_liger(base: Any, opts: KpatchOptions, training_args: Any, liger: 
                                "nor liger_kernel_config",
                                hint="set use_liger_kernel: true (Liger's defaults for the model) or give "
                                     "liger_kernel_config, or use kpatch_spec")
-    t = translate_liger(cfg, build_index(base), use_liger_kernel=use)
+    index = build_index(base)
+    t = translate_liger(cfg, index, use_liger_kernel=use)
     if t.problems:
         if opts.strict:
+            import json
+
+            from ..interop.liger import fitting_config
+
+            fixed = fitting_config(t, index)
             raise LigerConfigError("the Liger config asks for kernels that do not fit this model:\n  "
                                    + "\n  ".join(t.problems),
-                                   hint="turn those keys off in liger_kernel_config, or set kpatch_strict: false "
-                                        "to train without them")
+                                   hint=(f"liger_kernel_config: {json.dumps(fixed)} translates what fits this model; "
+                                         if fixed is not None else "turn those keys off in liger_kernel_config; ")
+                                   + "or set kpatch_strict: false to train without them")
         for pr in t.problems:
             log.warning(f"patchdsl: Liger key not applied: {pr}")
         notes.extend(f"Liger key not applied: {pr}" for pr in t.problems)
