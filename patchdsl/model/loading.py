@@ -12,12 +12,14 @@
    one, else the config shipped in ``patchdsl/model/configs/``, else (online only) the Hub's
    ``config.json``.
 
-Whatever happens is said in exactly one line through ``log`` and kept in ``LoadedModel.source``.
+Whatever happens is said in exactly one line through ``log`` and kept in ``LoadedModel.source``;
+a full-size random build says first, in a line of its own, what it builds and the memory its weights
+take against what the device has free (and is refused at once when they do not fit).
 ``meta=True`` builds on the meta device (no weights, no memory; for planning) and ``tiny=True``
 shrinks the architecture with ``tiny_config`` (for CPU tests and demos; always random weights).
 
 dtype: ``None`` means the checkpoint's own dtype for loaded weights and the config's dtype
-(``torch_dtype``) for meta and full-size random builds; tiny builds default to float32.
+(``dtype``, read from a config.json's ``torch_dtype`` too) for meta and full-size random builds; tiny builds default to float32.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..util.vocab import DTYPE_ALIASES, DTYPES, TORCH_NAMES
-from .shrink import _describe_sizes, _describe_tiny, tiny_config
+from .shrink import _describe_tiny, describe_shrink, tiny_config
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
@@ -154,21 +156,44 @@ def _check_rope(r: Any, where: str, path: str, depth: int = 0) -> None:
                 raise ModelLoadError(f"{name} must be > 0, got {json.dumps(v)[:40]}")
 
 
+def _switched_off(d: dict, key: str) -> bool:
+    """The config turns the feature of ``key`` off with a flag (``use_sliding_window: false`` leaves
+    ``sliding_window`` unused: Qwen2-MoE's default config holds 0 there), or uses transformers' convention
+    of a 0 for it: an MLA config's ``head_dim`` is its rotary part, 0 when it has none (GLM-5's NoPE
+    attention, ``qk_rope_head_dim: 0``).  Such a value is not a size anything is built with."""
+    if d.get(f"use_{key}") is False:
+        return True
+    return key == "head_dim" and d.get(key) == 0 and d.get("qk_rope_head_dim") == 0
+
+
+def _size_ok(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and 0 < v <= MAX_SIZE
+
+
 def check_config_dict(d: dict, where: str = "config.json") -> None:
     """Refuse sizes that are not positive integers (strings, fractions, negatives, zero, true/false)
     and numbers that are not finite, with the field's name; nested ``*_config`` objects too.  Also
     refused, naming the field: query heads that are not a multiple of the key/value heads, a RoPE
     base (rope_theta, top level or in rope_parameters / rope_scaling) that is not > 0, and sizes
-    above what the kernels take (``KERNEL_LIMITS``)."""
+    above what the kernels take (``KERNEL_LIMITS``).
+
+    The sizes are read by their standard names whatever the family calls them (GPT-2's ``n_head``,
+    through its config class's ``attribute_map``), and named as the file names them.  What transformers
+    itself accepts is not refused: a size per layer (a list of sizes, Gemma-3n's ``intermediate_size``)
+    has each entry checked, and a size whose feature the config switches off (:func:`_switched_off`) is
+    not checked at all."""
     if not isinstance(d.get("model_type"), str):
         raise ModelLoadError(f"{where}: \"model_type\" must be a string")
+    from .config_names import attribute_map, with_standard_names
+
+    d, added = with_standard_names(d, attribute_map(d["model_type"]))
     for k in SIZE_KEYS:
-        if k not in d or d[k] is None:
+        if k not in d or d[k] is None or _switched_off(d, k):
             continue
         v = d[k]
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_SIZE:
-            raise ModelLoadError(f"{where}: \"{k}\" must be a positive integer (at most {MAX_SIZE}), "
-                                 f"got {json.dumps(v)[:40]}")
+        if not (_size_ok(v) or (isinstance(v, list) and v and len(v) <= MAX_SIZE and all(map(_size_ok, v)))):
+            raise ModelLoadError(f"{where}: \"{added.get(k, k)}\" must be a positive integer (at most {MAX_SIZE}) "
+                                 f"or a list of them (one per layer), got {json.dumps(v)[:40]}")
     for k in NUMBER_KEYS:
         if k not in d or d[k] is None:
             continue
@@ -180,16 +205,17 @@ def check_config_dict(d: dict, where: str = "config.json") -> None:
         _check_rope(d.get(k), where, k)
     heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
-        raise ModelLoadError(f"{where}: \"num_attention_heads\" ({heads}) must be a multiple of "
-                             f"\"num_key_value_heads\" ({kv}): each key/value head serves a whole group of query heads")
+        raise ModelLoadError(f"{where}: \"{added.get('num_attention_heads', 'num_attention_heads')}\" ({heads}) must "
+                             f"be a multiple of \"{added.get('num_key_value_heads', 'num_key_value_heads')}\" ({kv}): "
+                             f"each key/value head serves a whole group of query heads")
     head_dim = d.get("head_dim")
-    if head_dim is None and isinstance(heads, int) and isinstance(d.get("hidden_size"), int):
+    if not head_dim and isinstance(heads, int) and isinstance(d.get("hidden_size"), int):
         head_dim = d["hidden_size"] // heads
     sizes = {"head_dim": head_dim, "vocab_size": d.get("vocab_size")}
     for k, limit in KERNEL_LIMITS.items():
         v = sizes[k]
         if isinstance(v, int) and v > limit:
-            field = k if k in d else f"{k} (hidden_size / num_attention_heads)"
+            field = added.get(k, k) if k in d else f"{k} (hidden_size / num_attention_heads)"
             raise ModelLoadError(f"{where}: \"{field}\" is {v:,}, above what patchdsl's kernels take "
                                  f"(at most {limit:,}; docs/reliability.md)")
     for k, v in d.items():
@@ -301,7 +327,7 @@ def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_i
     AutoModelForCausalLM = _auto_class(cfg)
 
     if dtype is None or dtype == "auto":
-        cd = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        cd = getattr(cfg, "dtype", None)       # transformers 5 reads a config.json's torch_dtype into dtype
         dtype = torch.float32 if tiny or cd is None else parse_dtype(str(cd))
     kw: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
@@ -319,6 +345,29 @@ def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_i
         torch.cuda.manual_seed_all(seed)
     with dev:
         return AutoModelForCausalLM.from_config(cfg, **kw)
+
+
+def _full_build_fits(cfg, dtype, device: str, attn_implementation, where: str) -> str:
+    """The line saying what a full-size random build of ``cfg`` takes (its weights, counted on the meta
+    device, no memory) against the free memory of ``device``; ModelLoadError when they do not fit."""
+    from ..util.vocab import dtype_name
+    from .memory import MemoryTooSmall, check_fits, count_params, human_params
+
+    try:
+        m = _build(cfg, dtype=dtype, device=device, meta=True, tiny=False, seed=0,
+                   attn_implementation=attn_implementation)
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, OverflowError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {_one_line(e)}") from None
+    n, dt = count_params(m), next(m.parameters()).dtype
+    del m
+    try:
+        return check_fits(n * dt.itemsize, device,
+                          f"building the {cfg.model_type} architecture at its full sizes ({human_params(n)} parameters "
+                          f"in {dtype_name(dt)}, random weights)",
+                          hint="a tiny model of the same architecture fits (--tiny, the default on a CPU; "
+                               "load_model(..., tiny=True))")
+    except MemoryTooSmall as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu", meta: bool = False,
@@ -343,7 +392,14 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         cfg = config_from_dict(cfg_dict)
         cfg._name_or_path = spec_s
         if tiny:
-            full, cfg = cfg, tiny_config(cfg)
+            try:
+                full, cfg = cfg, tiny_config(cfg)
+            except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as e:
+                raise ModelLoadError(f"cannot shrink the {cfg.model_type} architecture from {where} to a tiny one: "
+                                     f"{_one_line(e)}; --full builds it at its own sizes") from None
+        if not meta and not tiny:
+            # a full-size build: said before it starts, refused at once when its weights alone do not fit
+            log(_full_build_fits(cfg, dtype, device, attn_implementation, where))
         try:
             model = _build(cfg, dtype=dtype, device=device, meta=meta, tiny=tiny, seed=seed,
                            attn_implementation=attn_implementation)
@@ -351,7 +407,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
             raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {_one_line(e)}") \
                 from None
         if tiny:
-            what = f"{_describe_tiny(cfg)}, shrunk from {_describe_sizes(full)} in {where}"
+            what = f"{_describe_tiny(cfg)}, {describe_shrink(full, cfg)} in {where}"
             msg = (f"{spec_s}: {what} on the meta device (no weights)" if meta
                    else f"{spec_s}: {what} with random weights (seed {seed})")
         elif meta:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from .config_names import attribute_map, with_real_names, with_standard_names
+
 def shrink_composite(cfg, tiny_config):
     """A composite (vision-language) config shrunk: the language tower by ``tiny_config`` (as any
     family), the other towers generically (:func:`_tiny_tower`), multimodal RoPE sections with the
@@ -57,35 +59,10 @@ def _fit_mrope(text) -> None:
     text.rope_parameters = rope
 
 
-class _Shim:
-    """Lets :func:`tiny_config` shrink a config whose sizes go by other names (GPT-2's ``n_embd``):
-    it sees the standard names and hands back the dict it built."""
-
-    def __init__(self, d):
-        self._d = d
-
-    def to_dict(self):
-        return dict(self._d)
-
-    @classmethod
-    def from_dict(cls, d):
-        return cls(d)
-
-
 def shrink_config(cfg, tiny_config):
-    amap = dict(getattr(cfg, "attribute_map", {}) or {})
-    if not amap:
-        return tiny_config(cfg)
-    d = cfg.to_dict()
-    for std, real in amap.items():
-        if real in d and std not in d:
-            d[std] = d[real]
-    out = tiny_config(_Shim(d))._d
-    for std, real in amap.items():
-        if std in out and real in d:
-            out[real] = out.pop(std)
-    new = type(cfg).from_dict(out)
-    return new
+    """``tiny_config(cfg)``: kept for its callers; :func:`tiny_config` reads a family's own size names
+    (GPT-2's ``n_embd``) through the config class's ``attribute_map`` itself."""
+    return tiny_config(cfg)
 
 
 _TOWER_SIZES = (("hidden_size", 64), ("intermediate_size", 128), ("num_hidden_layers", 1), ("depth", 1),
@@ -95,7 +72,7 @@ _TOWER_SIZES = (("hidden_size", 64), ("intermediate_size", 128), ("num_hidden_la
 
 def _tiny_tower(c, text):
     """A vision/audio tower shrunk by its common size names (sizes it does not have are left)."""
-    d = c.to_dict()
+    d, added = with_standard_names(c.to_dict(), attribute_map(c))
     for k, v in _TOWER_SIZES:
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > v:
             d[k] = v
@@ -106,7 +83,7 @@ def _tiny_tower(c, text):
         if isinstance(d.get(k), list):
             d[k] = [0]
     d.pop("head_dim", None) if isinstance(d.get("head_dim"), int) else None
-    return type(c).from_dict(d)
+    return type(c).from_dict(with_real_names(d, added))
 
 
 # ---- tiny_config: any family's config shrunk for CPU tests and demos (was in loading.py) -------------
@@ -139,7 +116,8 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
         # a vision-language model: its language tower shrunk as above, the vision tower by its common
         # size names, multimodal RoPE sections with the head size (patchdsl.model.shrink)
         return shrink_composite(config, lambda c: tiny_config(c, layers=layers, vocab=vocab))
-    d = config.to_dict()
+    # the sizes by their standard names, whatever the family calls them (GPT-2: n_embd, n_head, n_layer)
+    d, added = with_standard_names(config.to_dict(), attribute_map(config))
     H0 = int(d["num_attention_heads"])
     KV0 = int(d.get("num_key_value_heads") or H0)
     hidden0 = int(d["hidden_size"])
@@ -239,7 +217,7 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
         elif isinstance(v, int):
             d[k] = remap.get(v, v)
     d.pop("transformers_version", None)
-    new = type(config).from_dict(d)
+    new = type(config).from_dict(with_real_names(d, added))
     new._name_or_path = f"tiny:{getattr(config, '_name_or_path', '') or d.get('model_type')}"
     return new
 
@@ -329,9 +307,19 @@ def _describe_tiny(cfg) -> str:
             f"vocab {cfg.vocab_size})")
 
 
-def _describe_sizes(cfg) -> str:
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return f"hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}"
+_SIZES = (("hidden_size", "hidden {}"), ("num_hidden_layers", "{} layers"), ("num_attention_heads", "{} heads"),
+          ("intermediate_size", "intermediate {}"), ("vocab_size", "vocab {}"))
+
+
+def describe_shrink(full, tiny) -> str:
+    """What shrinking ``full`` to ``tiny`` changed, in the sizes a reader knows (language tower of a VLM):
+    ``shrunk from hidden 1024, 28 layers``, naming only the sizes that did change, or ``already tiny (its
+    own sizes)`` when none did -- never "shrunk from hidden 64" to hidden 64."""
+    f = full.get_text_config() if hasattr(full, "get_text_config") else full
+    t = tiny.get_text_config() if hasattr(tiny, "get_text_config") else tiny
+    changed = [fmt.format(getattr(f, k, None)) for k, fmt in _SIZES
+               if getattr(f, k, None) is not None and getattr(f, k, None) != getattr(t, k, None)]
+    return f"shrunk from {', '.join(changed)}" if changed else "already tiny (its own sizes)"
 
 
 # ---------------------------------------------------------------- loading

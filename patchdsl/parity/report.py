@@ -71,6 +71,7 @@ class ParityReport:
     images: dict[str, Any] | None = None  # a vision-language model: {"fed": bool, "batch": how / "reason": why not}
     memory: dict[str, Any] | None = None  # CUDA: {"peak_bytes", "device_total_bytes", "params", "dtype_bytes"}
     seconds: float | None = None
+    nothing_patched: str | None = None    # why the spec patches no site of this model (then nothing ran)
 
     # ---- results -------------------------------------------------------------------
     @property
@@ -92,6 +93,8 @@ class ParityReport:
     @property
     def verdict(self) -> str:
         n_sites = len(self.sites)
+        if self.nothing_patched:
+            return f"FAIL: the spec patches nothing on {self.model_class}, so nothing was compared: {self.nothing_patched}"
         if not self.rows:
             return "FAIL: nothing was compared"
         if self.passed:
