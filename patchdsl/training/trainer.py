@@ -353,12 +353,15 @@ def _verify(base: Any, plan: Any, training_args: Any, trl: bool, log: Any) -> No
     finally:
         if stash is not None:
             base.forward = stash
+    # the verdict is what kpatch_verify asked for: shown at transformers' default log level (warning), not
+    # only with --log_level info -- a failure as an error with the report's table before the exit
     if not report.passed:
         from rich.console import Console
 
         report.render_table(Console(stderr=True, highlight=False, width=160))
+        log.error(f"patchdsl verify (kpatch_verify): {report.verdict}; training stops before the first step")
         raise KpatchVerifyFailed(report)
-    log.info(f"patchdsl verify: {report.verdict}")
+    log.warning(f"patchdsl verify (kpatch_verify): {report.verdict}")
 
 
 def summary_line(handle: Any) -> str:
@@ -371,18 +374,21 @@ def summary_line(handle: Any) -> str:
 
 
 def log_handle(handle: Any, level: str, log: Any) -> None:
+    """What ``kpatch_log`` asks for, at transformers' default log level (warning): the one totals line
+    (``totals``, the default), every patched site too (``sites``), nothing (``none``).  A user who set
+    kpatch_log asked to see it; ``--log_level error`` or kpatch_log none silences it."""
     if level == "none":
         return
-    log.info(summary_line(handle))
+    log.warning(summary_line(handle))
     for r in handle.refused:
         log.warning(f"patchdsl: {r}")
     for n in getattr(handle, "notes", []):
-        log.info(f"patchdsl: {n}")
+        log.warning(f"patchdsl: {n}")
     if level == "sites" and handle.plan is not None:
         done = set(handle.patched)
         for s in handle.plan.sites:
             if s.path in done:
-                log.info(f"patchdsl:   {s.path or '<model>'}: {s.op} ({s.rule})")
+                log.warning(f"patchdsl:   {s.path or '<model>'}: {s.op} ({s.rule})")
 
 
 def patch_for_training(model: Any, args: Any, training_args: Any = None, *, logger: Any = None) -> Any:
