@@ -13,8 +13,9 @@
    ``config.json``.
 
 Whatever happens is said in exactly one line through ``log`` and kept in ``LoadedModel.source``;
-a full-size random build says first, in a line of its own, what it builds and the memory its weights
-take against what the device has free (and is refused at once when they do not fit).
+a full-size random build of 4 GiB or more says first, in a line of its own, what it builds and the
+memory its weights take against what the device has free; any full-size build is refused at once when
+its weights do not fit.
 ``meta=True`` builds on the meta device (no weights, no memory; for planning) and ``tiny=True``
 shrinks the architecture with ``tiny_config`` (for CPU tests and demos; always random weights).
 
@@ -347,9 +348,13 @@ def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_i
         return AutoModelForCausalLM.from_config(cfg, **kw)
 
 
-def _full_build_fits(cfg, dtype, device: str, attn_implementation, where: str) -> str:
+SAY_BUILD_BYTES = 4 * 2 ** 30  # a build whose weights take this much (a while to initialise) says so first
+
+
+def _full_build_fits(cfg, dtype, device: str, attn_implementation, where: str) -> str | None:
     """The line saying what a full-size random build of ``cfg`` takes (its weights, counted on the meta
-    device, no memory) against the free memory of ``device``; ModelLoadError when they do not fit."""
+    device, no memory) against the free memory of ``device`` -- None for a build under SAY_BUILD_BYTES,
+    done in moments; ModelLoadError when they do not fit."""
     from ..util.vocab import dtype_name
     from .memory import MemoryTooSmall, check_fits, count_params, human_params
 
@@ -361,13 +366,14 @@ def _full_build_fits(cfg, dtype, device: str, attn_implementation, where: str) -
     n, dt = count_params(m), next(m.parameters()).dtype
     del m
     try:
-        return check_fits(n * dt.itemsize, device,
+        line = check_fits(n * dt.itemsize, device,
                           f"building the {cfg.model_type} architecture at its full sizes ({human_params(n)} parameters "
                           f"in {dtype_name(dt)}, random weights)",
                           hint="a tiny model of the same architecture fits (--tiny, the default on a CPU; "
                                "load_model(..., tiny=True))")
     except MemoryTooSmall as e:
         raise ModelLoadError(str(e)) from None
+    return line if n * dt.itemsize >= SAY_BUILD_BYTES else None
 
 
 def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu", meta: bool = False,
@@ -399,7 +405,9 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
                                      f"{_one_line(e)}; --full builds it at its own sizes") from None
         if not meta and not tiny:
             # a full-size build: said before it starts, refused at once when its weights alone do not fit
-            log(_full_build_fits(cfg, dtype, device, attn_implementation, where))
+            said = _full_build_fits(cfg, dtype, device, attn_implementation, where)
+            if said:
+                log(said)
         try:
             model = _build(cfg, dtype=dtype, device=device, meta=meta, tiny=tiny, seed=seed,
                            attn_implementation=attn_implementation)

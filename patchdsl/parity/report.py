@@ -77,7 +77,8 @@ class ParityReport:
     @property
     def passed(self) -> bool:
         """Every check passed and no site the spec asked for (a rule without '?') was refused."""
-        return bool(self.rows) and all(r.passed for r in self.rows) and not self.refused_required
+        return (bool(self.rows) and all(r.passed for r in self.rows) and not self.refused_required
+                and not self.nothing_patched)
 
     def failures(self) -> list[Check]:
         return [r for r in self.rows if not r.passed]
@@ -94,7 +95,7 @@ class ParityReport:
     def verdict(self) -> str:
         n_sites = len(self.sites)
         if self.nothing_patched:
-            return f"FAIL: the spec patches nothing on {self.model_class}, so nothing was compared: {self.nothing_patched}"
+            return f"FAIL: the spec patches nothing on {self.model_class}: {self.nothing_patched}"
         if not self.rows:
             return "FAIL: nothing was compared"
         if self.passed:

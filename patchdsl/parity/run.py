@@ -145,6 +145,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
         say(f"kept the first {kept} of {of} decoder layers")
     # the verdict that needs no run first: a spec that patches nothing here (a spec for another family,
     # optional rules that select nothing, every site refused) fails now, before any copy or forward
+    # (planned again below once the model is in the run dtype, whose plan is the one applied)
     p = spec if isinstance(spec, PatchPlan) else make_plan(spec, base, target=target, dtypes=(dtype,))
     empty = _patches_nothing(p)
     if empty:
@@ -182,7 +183,8 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     recipe, images_info = _images(images, hf, [m for m in (ref, patched, source) if m is not None and m is not hf],
                                   mode, batch, seq, say)
 
-    stage("applying the kernels")
+    stage("planning and applying the kernels")
+    p = spec if isinstance(spec, PatchPlan) else make_plan(spec, patched, target=target, dtypes=(dtype,))
     say(f"planned {len(p.sites)} site(s); generating and applying the kernels")
     handle = apply(p, patched, target=target)
     spec_name = p.spec
@@ -192,6 +194,9 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     report.refused = [str(r) for r in handle.refused]
     report.refused_required = [str(r) for r in handle.refused_required]
     live = [s for s in p.sites if s.path in handle.patched]
+    if not live and p.attention is None:          # every site refused when applied: no PASS of nothing
+        report.nothing_patched = ("every site was refused when applied"
+                                  + (f" (first: {report.refused[0]})" if report.refused else ""))
     report.sites = [{"path": s.path, "op": s.op, "host": s.host, **({"source": s.source} if s.source else {})}
                     for s in live]
     # ops that are not exact by design (fp8_linear) state their own floor; the end-to-end rows take the
