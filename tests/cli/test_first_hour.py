@@ -45,12 +45,13 @@ def two_layer_qwen3(tmp_path) -> str:
 
 
 # ---------------------------------------------------------------- a closed stdout: quiet, 141, every command
-@pytest.mark.parametrize("args", [["plan", "qwen3", "-m", Q, "--sites"], ["check", "qwen3", "--json"], ["--help"]],
-                         ids=["plan --sites", "check --json", "--help"])
-def test_a_reader_that_closes_early_ends_the_command_quietly(args):
+@pytest.mark.parametrize("args", [["plan", "qwen3", "-m", "{model}", "--sites"], ["check", "qwen3", "--json"],
+                                  ["--help"]], ids=["plan --sites", "check --json", "--help"])
+def test_a_reader_that_closes_early_ends_the_command_quietly(args, tmp_path):
     """`patchdsl plan ... --sites | head -1`: the reader is gone before the command writes (closed at
     once, so the test does not race the pipe's buffer), as a Unix tool: status 141, nothing on stderr."""
     r, w = os.pipe()
+    args = [a.format(model=two_layer_qwen3(tmp_path)) for a in args]
     p = subprocess.Popen([sys.executable, "-m", "patchdsl.cli", *args], stdout=w, stderr=subprocess.PIPE,
                          env=_env(), cwd=ROOT)
     os.close(w)
