@@ -237,7 +237,7 @@ def _tiny_moe_defaults(d: dict) -> None:
     for k, v in fills.items():
         if d.get(k) is None or (k == "first_k_dense_replace" and no_experts):
             d[k] = v
-            if k == "n_routed_experts":          # its standard names too (the census maps attribute_map's)
+            if k == "n_routed_experts":          # its standard names too (tiny_config reads attribute_map's)
                 for alias in ("num_local_experts", "num_experts"):
                     if alias in d and d[alias] is None:
                         d[alias] = v

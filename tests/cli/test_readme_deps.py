@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -26,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def declared_closure() -> set[str]:
     """The distributions a plain ``pip install -e .`` brings: the declared dependencies (no extras) and,
     through the installed metadata, everything they require (markers evaluated here, no extras)."""
+    import tomllib            # Python 3.11+ (the suite runs on 3.11 and later; patchdsl itself takes 3.10)
+
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     todo = [Requirement(d) for d in deps]
     seen: set[str] = {"patchdsl"}
