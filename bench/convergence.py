@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-emulate", action="store_true", help="fp8_linear(emulate=true): the recipe's numerics "
                     "without fp8 matmuls (the CPU dry run)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the --fp8 run's model dtype")
+    ap.add_argument("--fp8-on", default="projections", choices=("projections", "experts"),
+                    help="--fp8: the attention and MLP projections (fp8_linear) or the MoE experts "
+                    "(fused_experts(fp8=...), MoE families)")
     ap.add_argument("--without", default="", help="--fp8: leave out the spec rules of these kinds (e.g. Attention: "
                     "the CPU dry run, whose RoPE kernels are slow in the Triton interpreter)")
     a = ap.parse_args(argv)
@@ -157,7 +160,7 @@ def fp8_main(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     families = [f for f in a.families.split(",") if f]     # an unknown one, or one without --size, fails its row
-    rows, lines = [], [f"fp8 projections (recipe={a.fp8}) against bf16, {a.size} models, {a.steps} steps of "
+    rows, lines = [], [f"fp8 {a.fp8_on} (recipe={a.fp8}) against bf16, {a.size} models, {a.steps} steps of "
                        f"{a.batch} x {a.seq}, AdamW lr {conv.LR}; ok = every step within {conv.FP8_STEP_RTOL * 100:g}% "
                        f"and the last {conv.FP8_FINAL_STEPS} steps' mean within {conv.FP8_FINAL_RTOL * 100:g}%"]
     for fam in families:
@@ -168,7 +171,7 @@ def fp8_main(a: argparse.Namespace) -> int:
         try:
             ref, fp8, checks = conv.run_fp8(fam, device=a.device, size=a.size, steps=a.steps, batch=a.batch,
                                             seq=a.seq, dtype=a.dtype, recipe=a.fp8, emulate=a.fp8_emulate,
-                                            without=tuple(w for w in a.without.split(",") if w))
+                                            without=tuple(w for w in a.without.split(",") if w), on=a.fp8_on)
         except Exception as e:           # reported, never fatal
             rows.append({"family": fam, "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"})
             lines.append(f"  {fam}: failed: {type(e).__name__}: {str(e)[:300]}")

@@ -25,7 +25,11 @@
 #                          the host time to issue one forward of every other op (patchdsl alone)
 # e2e_specs        40      Qwen3-0.6B 16x2048: specs/qwen3 vs bench/specs/qwen3_addnorm (ship the faster)
 # (limits sum to 610; a part never gets more than what is left of TOTAL minus 12 s for the summary)
-# By name only (not in "all"): e2e_8b (300 s; Llama-3.1-8B-shaped 4x2048 (B8; MB8 sets a micro-batch: on an 80 GB card MB8=1), built on the GPU: patchdsl with the
+# By name only (not in "all"): spec_verify (570 s; bench/spec_verify.py: `patchdsl verify` of EVERY shipped spec, listed
+# from specs/, on transformers' default config of its family, --layers 2 --dtype bf16, each spec in its own process under
+# T_SPEC (150 s); one line per spec (spec, model type, verdict, seconds) in spec_verify.txt; SPEC_VERIFY=glm4,olmo2 picks
+# specs (the 26 do not fit one call: run it in a few calls), SPEC_VERIFY_ARGS="--device cpu --dtype fp32 --extra=--tiny"
+# is its CPU dry run), e2e_8b (300 s; Llama-3.1-8B-shaped 4x2048 (B8; MB8 sets a micro-batch: on an 80 GB card MB8=1), built on the GPU: patchdsl with the
 # llama spec and with bench/specs/llama_fp8.kpatch (E8B_SPECS replaces these --spec arguments), Liger, HF; each in its own process; LLAMA_SPECS="--spec llama
 # --spec bench/specs/llama_fp8.kpatch" gives e2e_llama the fp8 row too), compile_perf (200 s; Qwen3-0.6B 16x2048: patchdsl eager vs patchdsl.compile_layers
 # (regional) vs patchdsl.compile_model (whole) vs plain torch.compile of the patched model, each in its own process;
@@ -55,7 +59,8 @@
 # real text, patchdsl vs unpatched vs Liger), convergence_fp8 (240 s; bench/convergence.py --fp8 FP8_RECIPE (rowwise) --size full:
 # Llama-3.2-1B- and Qwen3-0.6B-shaped, bf16, FP8_STEPS (100) steps of 8 x 512, the spec with fp8 projections against
 # the spec alone, and the unpatched bf16 model as a control (its per-step drift from the bf16 run, reported next
-# to fp8's, not judged; FP8_CONTROL= leaves it out); verdict `convergence_fp8: PASS|FAIL`),
+# to fp8's, not judged; FP8_CONTROL= leaves it out); verdict `convergence_fp8: PASS|FAIL`; the fp8 experts of issue 37:
+# FP8_ON=experts FP8_FAMILIES=qwen3_moe FP8_SIZE=mini (the Qwen3-MoE mini model, fused_experts(fp8=FP8_RECIPE))),
 # label_check (90 s; linear CE with the label check on and off, chunked and fused modes,
 # 16384x1024x151936 bf16, patchdsl rows, then bench/label_check_verdict.py's line), sweep (300 s; bench ops
 # --sweep-only), specialise (120 s; bench specialise), host_breakdown (80 s; bench/host_breakdown.py, plus --root .old
@@ -86,7 +91,7 @@ TOTAL=${TOTAL:-580}
 RESERVE=12
 STEPS=${E2E_STEPS:-10}
 ALL="tests e2e_qwen3 e2e_llama e2e_gemma e2e_small verify compile_check mixed_verify posttrain ops e2e_specs"
-EXTRA="e2e_8b fp8_ops moe moe_block moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence convergence_fp8 label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
+EXTRA="spec_verify e2e_8b fp8_ops moe moe_block moe_router mlp rope_layouts compile_perf verify_scale vlm_verify convergence convergence_fp8 label_check sweep specialise host_breakdown"     # not in "all": other parts, by name only
 PARTS=${PARTS:-${*:-all}}
 PARTS=${PARTS//,/ }
 case " $PARTS " in *" all "*) PARTS=$ALL ;; esac
@@ -182,6 +187,7 @@ for part in $PARTS; do
     moe_router) lim=$(limit moe_router 60) ;;
     moe_block) lim=$(limit moe_block 300) ;;
     rope_layouts) lim=$(limit rope_layouts 90) ;;
+    spec_verify) lim=$(limit spec_verify 570) ;;
   esac
   if [ "$lim" -lt 10 ]; then
     say "$part: SKIPPED (${lim}s left of TOTAL=${TOTAL}s)"; status+=("$part: skipped, no time left"); continue
@@ -337,11 +343,21 @@ for part in $PARTS; do
     convergence_fp8)   # issue 26 item 2: fp8 projections against bf16 over real text (Llama-3.2-1B and Qwen3-0.6B widths)
       mkdir -p "$WORK/convergence_fp8"
       PART_OUT="$WORK/convergence_fp8" run_part convergence_fp8 "$lim" python3 bench/convergence.py --fp8 "${FP8_RECIPE:-rowwise}" \
-        --families llama,qwen3 --size full --steps "${FP8_STEPS:-100}" --batch 8 --seq 512 --budget $(( lim - 10 )) \
-        ${FP8_CONTROL---fp8-control}
+        --families "${FP8_FAMILIES:-llama,qwen3}" --size "${FP8_SIZE:-full}" --fp8-on "${FP8_ON:-projections}" \
+        --steps "${FP8_STEPS:-100}" --batch 8 --seq 512 --budget $(( lim - 10 )) ${FP8_CONTROL---fp8-control}
       [ -f "$WORK/convergence_fp8/convergence_fp8.txt" ] && cat "$WORK/convergence_fp8/convergence_fp8.txt" >>"$WORK/summary.parts"
       v=$(grep -E "^convergence_fp8: " "$LOG" | tail -n 1)
       status+=("${v:-convergence_fp8: no verdict line}")
+      ;;
+    spec_verify)   # issue 38: every shipped spec (listed from specs/) verified at its family's default widths,
+      # --layers 2 (one layer of each type at least, only those built), bf16; SPEC_VERIFY=a,b picks specs, T_SPEC the
+      # per-spec limit (150 s), SPEC_VERIFY_ARGS more arguments (CPU dry run: "--device cpu --dtype fp32 --extra=--tiny")
+      mkdir -p "$WORK/spec_verify"
+      PART_OUT="$WORK/spec_verify" run_part spec_verify "$lim" python3 bench/spec_verify.py --budget $(( lim - 8 )) \
+        --specs "${SPEC_VERIFY:-all}" ${SPEC_VERIFY_ARGS:-}
+      [ -f "$WORK/spec_verify/spec_verify.txt" ] && cat "$WORK/spec_verify/spec_verify.txt" >>"$WORK/summary.parts"
+      v=$(grep -E "^spec_verify: " "$LOG" | tail -n 1)
+      status+=("${v:-spec_verify: no verdict line}")
       ;;
     vlm_verify)   # issue 25: the multimodal specs on full-size vision-language models (language tower + loss)
       mkdir -p "$WORK/vlm_verify"

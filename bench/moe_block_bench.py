@@ -5,7 +5,9 @@ Shapes (one layer's block, built on the GPU from transformers' own module class,
   qwen3_moe    Qwen3-30B-A3B   hidden 2048, 128 experts, top 8, width 768
   mixtral      Mixtral-8x7B    hidden 4096,   8 experts, top 2, width 14336
   gpt_oss      gpt-oss-20b     hidden 2880,  32 experts, top 4, width 2880 (transposed, interleaved, biases, clamp)
-  deepseek_v3  DeepSeek-V3     hidden 7168, 256 experts, top 8, width 2048 (routed experts; sigmoid router)
+  deepseek_v3  DeepSeek-V3     hidden 7168, 64 of its 256 experts (one rank of 4-way expert parallelism:
+                               the whole layer's 22.5 GB of expert weights and their gradients do not fit
+                               an 80 GB card beside the activations), top 8, width 2048 (sigmoid router)
 at 16,384 tokens, and the Qwen3 shape over a token sweep (4k to 64k).
 
 Variants (one process each; a process times every shape it can run):
@@ -16,6 +18,12 @@ Variants (one process each; a process times every shape it can run):
             one for the family (not gpt-oss: clamped SwiGLU with biases; DeepSeek-V3 through deepseek_v2's)
   sonicmoe  SonicMoE, when importable (its wheel needs nvidia-cutlass-dsl and torch <= 2.9.1: skipped
             with the import error otherwise)
+  fp8       patchdsl with fused_experts(fp8=rowwise) (all six expert GEMMs in fp8); fp8_gw_hp: with
+            fp8=rowwise_with_gw_hp (weight gradients in bf16); judged against the patchdsl (bf16) row
+  lora_default, lora_patchdsl
+            PEFT LoRA (r 16, target_parameters: the experts' gate_up_proj and down_proj; base frozen)
+            over the default block, and over the patchdsl block (fused_experts reads PEFT's factors);
+            lora_patchdsl is judged against lora_default
   floor     the same FLOPs as dense torch.mm (2 GEMMs forward, 4 backward over T * top_k rows)
 
 Timing: CUDA events around the whole forward + backward, warm-up first, median of 20 (patchdsl_tools.bench.timing).  Every number is
@@ -45,7 +53,7 @@ SHAPES = {
                 "MixtralSparseMoeBlock"),
     "gpt_oss": ("gpt_oss", dict(hidden_size=2880, num_local_experts=32, num_experts_per_tok=4, intermediate_size=2880),
                 "GptOssMLP"),
-    "deepseek_v3": ("deepseek_v3", dict(hidden_size=7168, n_routed_experts=256, num_experts_per_tok=8,
+    "deepseek_v3": ("deepseek_v3", dict(hidden_size=7168, n_routed_experts=64, num_experts_per_tok=8,
                                         moe_intermediate_size=2048, n_shared_experts=1, n_group=8, topk_group=4),
                     "DeepseekV3MoE"),
 }
@@ -54,8 +62,14 @@ TINY = {"qwen3_moe": dict(hidden_size=64, num_experts=8, num_experts_per_tok=2, 
         "gpt_oss": dict(hidden_size=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
         "deepseek_v3": dict(hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                             n_shared_experts=1, n_group=2, topk_group=1)}
-VARIANTS = ("default", "patchdsl", "liger", "floor", "sonicmoe")
-SHARE = {"default": 1.0, "patchdsl": 1.0, "liger": 0.9, "floor": 0.3, "sonicmoe": 0.1}   # of the budget, by weight
+VARIANTS = ("default", "patchdsl", "fp8", "fp8_gw_hp", "lora_default", "lora_patchdsl", "liger", "floor", "sonicmoe")
+LORA = dict(r=16, lora_alpha=32, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+FP8_RECIPE = {"fp8": "rowwise", "fp8_gw_hp": "rowwise_with_gw_hp"}
+FP8_TARGET = 1.3            # issue 37: fp8 experts at least 1.3x the bf16 experts (the block, 16k tokens)
+# of the budget, by weight: Liger autotunes its fused MoE kernels on the first call of each shape (32
+# configurations per GEMM kernel, ~200 compilations): it gets the most
+SHARE = {"default": 1.0, "patchdsl": 1.0, "fp8": 0.8, "fp8_gw_hp": 0.8, "lora_default": 0.8, "lora_patchdsl": 0.8,
+         "liger": 3.0, "floor": 0.3, "sonicmoe": 0.1}
 TOKENS = 16384
 SWEEP = (4096, 8192, 16384, 32768, 65536)
 # issue 37's targets for the block at 16k tokens: patchdsl's time at most this fraction of the peer's
@@ -104,7 +118,18 @@ def block_forward(m):
 
 def setup(variant: str, name: str, m, target: str) -> str:
     """Patch ``m`` for the variant; returns a note ('' when applied as described)."""
-    if variant == "patchdsl":
+    if variant.startswith("lora_"):
+        import peft
+
+        peft.get_peft_model(m, peft.LoraConfig(**LORA))          # wraps m.mlp.experts in place
+        with __import__("torch").no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.02)                           # B starts at 0: a delta that counts
+        if variant == "lora_default":
+            return f"PEFT LoRA r={LORA['r']} on the experts' weights"
+        variant = "patchdsl"
+    if variant == "patchdsl" or variant in FP8_RECIPE:
         from patchdsl import apply, plan
 
         spec = open(os.path.join(ROOT, "specs", f"{name}.kpatch")).read()
@@ -113,6 +138,10 @@ def setup(variant: str, name: str, m, target: str) -> str:
         rules = [r for r in rules if not r.startswith("#")]
         if not any("fused_experts" in r for r in rules):
             rules.append("mlp.experts: Experts -> fused_experts")
+        if variant in FP8_RECIPE:
+            emu = ", emulate=true" if target != "cuda" else ""          # the CPU dry run: the recipe's numerics
+            rules = [r.replace("fused_experts", f"fused_experts(fp8={FP8_RECIPE[variant]}{emu})") if "fused_experts" in r
+                     else r for r in rules]
         apply(plan("\n".join(rules) + "\n", m, target=target), m, target=target)
         return "; ".join(rules)
     if variant == "liger":
@@ -177,7 +206,7 @@ def worker(variant: str, cases: list, cpu: bool) -> None:
                     built[name] = m
                 m = built[name]
                 fwd = block_forward(m)
-                H = m.mlp.experts.gate_up_proj.shape[-1 if not getattr(m.mlp.experts, "is_transposed", False) else 1]
+                H = SHAPES[name][1]["hidden_size"] if not cpu else TINY[name]["hidden_size"]
                 g = torch.Generator(device=dev).manual_seed(1)
                 x = torch.randn(1, tokens, H, device=dev, dtype=dt, generator=g).requires_grad_(True)
                 dy = torch.randn(1, tokens, H, device=dev, dtype=dt, generator=g)
@@ -203,7 +232,7 @@ def worker(variant: str, cases: list, cpu: bool) -> None:
                         out.backward(dy[:, :2048])
                         torch.save({"out": out.detach().float().cpu(), "dx": xs.grad.float().cpu()},
                                    os.path.join(os.environ["MOE_BLOCK_TMP"], f"{variant}_{name}.pt"))
-                        if variant == "patchdsl":
+                        if variant == "patchdsl" or variant in FP8_RECIPE:
                             from patchdsl_tools.bench.timing import kernel_profile
 
                             row["kernels_ms"] = kernel_profile(step)
@@ -271,12 +300,14 @@ def main(argv=None) -> int:
     import torch
 
     for s in shapes:
-        try:
-            ref = torch.load(os.path.join(tmp, f"default_{s}.pt"))
-            new = torch.load(os.path.join(tmp, f"patchdsl_{s}.pt"))
-            parity[s] = {k: float((new[k] - ref[k]).norm() / ref[k].norm()) for k in ("out", "dx")}
-        except (FileNotFoundError, RuntimeError):
-            pass
+        for v in ("patchdsl",) + tuple(FP8_RECIPE):
+            try:
+                ref = torch.load(os.path.join(tmp, f"default_{s}.pt"))
+                new = torch.load(os.path.join(tmp, f"{v}_{s}.pt"))
+                parity[s if v == "patchdsl" else f"{s} {v}"] = {k: float((new[k] - ref[k]).norm() / ref[k].norm())
+                                                                for k in ("out", "dx")}
+            except (FileNotFoundError, RuntimeError):
+                pass
     text, verdict = report(rows, parity)
     json.dump({"rows": rows, "parity_vs_default": parity, "verdict": verdict}, open(os.path.join(out, "moe_block.json"), "w"),
               indent=1)
@@ -308,14 +339,29 @@ def report(rows: list, parity: dict) -> tuple[str, str]:
         if r.get("skipped"):
             lines.append(f"  {r['variant']} {r['shape']} {r['tokens']}: skipped: {r['skipped']}")
     for s, p in parity.items():
-        lines.append(f"  parity {s}: patchdsl vs default (bf16 both, 2048 tokens): out {p['out']:.2e}, dx {p['dx']:.2e}")
+        who = s.split(" ")[1] if " " in s else "patchdsl"
+        lines.append(f"  parity {s.split(' ')[0]}: {who} vs default (bf16 both, 2048 tokens): out {p['out']:.2e}, "
+                     f"dx {p['dx']:.2e}")
     misses, met = [], []
     for (s, peer), frac in TARGETS.items():
         mine, theirs = by.get(("patchdsl", s, TOKENS), {}).get("ms"), by.get((peer, s, TOKENS), {}).get("ms")
         if mine is None or theirs is None:
             continue
         (met if mine <= frac * theirs else misses).append(f"{s} {theirs / mine:.2f}x {peer} (target {1 / frac:.2f}x)")
-    bad_parity = [s for s, p in parity.items() if not (p["out"] < 2e-2 and p["dx"] < 2e-2)]
+    measured = []                    # reported with the verdict, no target
+    for s in SHAPES:
+        mine, peer = by.get(("lora_patchdsl", s, TOKENS), {}).get("ms"), by.get(("lora_default", s, TOKENS), {}).get("ms")
+        if mine is not None and peer is not None:
+            measured.append(f"{s} LoRA {peer / mine:.2f}x PEFT over the default")
+    for v in FP8_RECIPE:
+        for s in SHAPES:
+            mine, bf16 = by.get((v, s, TOKENS), {}).get("ms"), by.get(("patchdsl", s, TOKENS), {}).get("ms")
+            if mine is not None and bf16 is not None:
+                (met if bf16 >= FP8_TARGET * mine else misses).append(
+                    f"{s} {v} {bf16 / mine:.2f}x bf16 experts (target {FP8_TARGET:.2f}x)")
+    # bf16 against bf16: rounding (~5e-3); fp8 against bf16: the recipe's e4m3 rounding (~5e-2, bound 0.25)
+    bad_parity = [s for s, p in parity.items() if not (p["out"] < (1e-1 if " " in s else 2e-2)
+                                                        and p["dx"] < (1e-1 if " " in s else 2e-2))]
     if not met and not misses:
         verdict = "moe_block: FAIL no patchdsl timing"
     elif misses or bad_parity:
@@ -323,6 +369,8 @@ def report(rows: list, parity: dict) -> tuple[str, str]:
             " | met: " + "; ".join(met) if met else "")
     else:
         verdict = "moe_block: PASS " + "; ".join(met)
+    if measured:
+        verdict += " | measured: " + "; ".join(measured)
     return "\n".join(lines), verdict
 
 

@@ -267,12 +267,12 @@ def _default_dtype(device: str) -> str:
 
 
 def _load_model(model: str, *, meta: bool, dtype: str | None = None, device: str = "cpu", log=None, tiny=False,
-                seed: int = 0):
+                seed: int = 0, layers: int | None = None):
     from ..model import ModelLoadError, load_model
 
     try:
         return load_model(model, meta=meta, dtype=dtype, device=device, log=log or (lambda m: click.echo(m, err=True)),
-                          tiny=tiny, seed=seed)
+                          tiny=tiny, seed=seed, layers=layers)
     except ModelLoadError as e:
         raise UsageFailure(str(e)) from None
 

@@ -157,12 +157,13 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
             raise UsageFailure(f"{kernel_mapping}: {e}") from None
         return
     from ..model.index import build_index
-    from ..interop.liger import parse_liger_argument, translate_liger
+    from ..interop.liger import parse_liger_argument, text_model_type_of, translate_liger
 
     use, cfg = parse_liger_argument(liger)
     loaded = _load_model(model, meta=True, log=lambda m: None)
     index = build_index(loaded.model)
-    t = translate_liger(cfg, index, use_liger_kernel=use)
+    text_type = text_model_type_of(loaded.model)
+    t = translate_liger(cfg, index, use_liger_kernel=use, text_model_type=text_type)
     if t.problems:
         # the hint is a command that works: the same keys with those that fit nothing off (or swapped for
         # the key their error names), tried here first; patchdsl does not drop keys silently
@@ -170,7 +171,7 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
 
         import shlex
 
-        fixed = fitting_config(t, index)
+        fixed = fitting_config(t, index, text_type)
         changed = ", ".join([f"{k} off" for k, _ in t.misfits] + [f"{i} on" for _, i in t.misfits if i])
         hint = (f"hint: patchdsl translate --liger {shlex.quote(json.dumps(fixed))} --model {shlex.quote(model)} "
                 f"translates the keys that fit this model ({changed})"
@@ -221,8 +222,10 @@ def suggest_cmd(model: str, out: str | None, images: bool | None) -> None:
         if recipe is not None and not images:
             from ..parity.images import image_batch_check
 
+            # only where the image batch ran: a vision rule verify cannot feed would fail as "did not run"
+            # (Qwen2-VL: its tiny vision tower was not tried, and verify of the suggestion FAILED)
             ok, why2 = image_batch_check(loaded.model.config)
-            recipe, why = (recipe, "") if ok is not False else (None, why2)
+            recipe, why = (recipe, "") if ok else (None, why2)
         vision = True if (recipe is not None or images) else why
     elif images:
         raise UsageFailure(f"--images: {type(loaded.model).__name__} is not a vision-language model "

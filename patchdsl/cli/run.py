@@ -193,8 +193,9 @@ def _print_runs(say, w, dtype, device, ref, pat, on_gpu) -> None:
 @click.option("--device", help="cpu or cuda[:N] (default: cuda when available).")
 @click.option("--tiny/--full", default=None, help="Shrink the architecture (default: tiny on CPU, full on GPU).")
 @click.option("--layers", type=click.IntRange(1, 100_000),
-              help="Keep only the first N decoder layers: a quick check of a large model at its real widths "
-                   "(the report says so).")
+              help="Keep N decoder layers, at least one of each layer type (full / linear / sliding attention, "
+                   "dense / MoE): a quick check of a large model at its real widths; only the kept layers are "
+                   "built, and the output says which original layers were kept.")
 @click.option("--reference", type=click.Choice(["auto", "whole", "streamed"]), default="auto", show_default=True,
               help="The float64 reference: a copy of the whole model, or streamed one decoder layer at a time "
                    "(for models whose float64 copy does not fit); auto picks by a memory estimate.")
@@ -217,7 +218,9 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, re
     sp = _read_spec(spec)
     told = []
     # validate the model id early (exit 2) and say where it came from
-    meta = _load_model(model, meta=True, tiny=tiny, log=lambda m: None).model   # quietly
+    # --layers N: the layers kept (one of each type at least) are chosen on the meta device, and only
+    # those are ever built (a 671B config with --layers 2 allocates two layers)
+    meta = _load_model(model, meta=True, tiny=tiny, log=lambda m: None, layers=layers).model   # quietly
     # on a GPU the model is built there (in fp32 when the whole float64 model fits beside it, else in the
     # run dtype: the reference then evaluates exactly the weights under test); on the CPU in fp32
     try:
@@ -247,7 +250,7 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, re
         log = None if told else (lambda m: click.echo(m, err=True))
         told.append(True)
         return _load_model(model, meta=False, dtype=build_dt, device=build_dev, tiny=tiny, seed=seed,
-                           log=log or (lambda m: None)).model
+                           log=log or (lambda m: None), layers=layers).model
 
     t0 = time.perf_counter()
 

@@ -10,10 +10,12 @@ defaults, and mapped to the rule that patches the same modules:
     rope                        *.self_attn: Attention -> fused_rope
                                 (fused_qk_norm_rope when the attention has q_norm/k_norm and
                                 rms_norm is on: the two norms and RoPE in one kernel)
-    swiglu                      *.mlp: SwiGLU -> fused_swiglu
+    swiglu                      *.mlp: SwiGLU -> fused_swiglu (and a mixture of experts' silu experts:
+                                *.experts: Experts -> fused_experts, as Liger swaps them for LigerExperts)
     geglu                       *.mlp: GeGLU -> fused_geglu
     rms_norm                    every RMSNorm: RMSNorm -> fused_rmsnorm
     layer_norm                  every LayerNorm: LayerNorm -> fused_layernorm
+    relu_squared                *.mlp: MLP -> fused_mlp (Nemotron's relu2 MLPs)
     cross_entropy               lm_head: Linear -> fused_cross_entropy(ignore_index=-100)
     fused_linear_cross_entropy  lm_head: Linear -> fused_linear_cross_entropy(ignore_index=-100, chunk=auto)
 
@@ -34,32 +36,63 @@ from typing import Any, Mapping
 
 from ..syntax.errors import SpecError, did_you_mean
 
-LIGER_KEYS = ("rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "layer_norm")
+LIGER_KEYS = ("rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "layer_norm",
+              "relu_squared")
 
-# The keys each ``apply_liger_kernel_to_<model_type>`` of Liger-Kernel 0.8.5 accepts, with its defaults
-# (liger_kernel/transformers/monkey_patch.py; checked against the installed Liger by the tests when present).
+# The keys each ``apply_liger_kernel_to_<model_type>`` of Liger-Kernel 0.8.5 accepts, with its defaults, for
+# every model type of its MODEL_TYPE_TO_APPLY_LIGER_FN (liger_kernel/transformers/monkey_patch.py; checked
+# against the installed Liger by the tests when present).
 # Code: r = rope, s = swiglu, g = geglu, c = cross_entropy, f = fused_linear_cross_entropy, n = rms_norm,
-# l = layer_norm; upper case = default on, lower case = accepted but off by default.
+# l = layer_norm, q = relu_squared; upper case = default on, lower case = accepted but off by default.
 _CODES = {"r": "rope", "s": "swiglu", "g": "geglu", "c": "cross_entropy", "f": "fused_linear_cross_entropy",
-          "n": "rms_norm", "l": "layer_norm"}
+          "n": "rms_norm", "l": "layer_norm", "q": "relu_squared"}
 _LIGER_TABLE = {
-    "deepseek_v2": "rcFNS", "deepseek_v3": "rcFNS", "exaone4": "RcFNS", "falcon_h1": "RcFNS",
-    "gemma": "RcFNG", "gemma2": "RcFNG", "gemma3": "RcFLNG", "gemma3_text": "RcFNG", "gemma4_text": "rcFNG",
-    "glm4": "rcFNS", "gpt_oss": "RcFNs", "granite": "RCfNS", "hunyuan_v1_dense": "RcFNS",
-    "hunyuan_v1_moe": "RcFNS", "llama": "RcFNS", "llama4_text": "RcFNSL", "ministral": "RcFNS",
-    "mistral": "RcFNS", "mixtral": "RcFNS", "mllama_text_model": "RcFLNS", "olmo2": "RcFNS", "olmo3": "RcFNS",
-    "phi3": "RcFNS", "qwen2": "RcFNS", "qwen3": "RcFNS", "qwen3_moe": "RcFNS", "qwen3_next": "rcFNS",
-    "smollm3": "RcFNS",
+    "deepseek_v2": "rcFNS", "deepseek_v3": "rcFNS", "deepseek_v4": "rcFNs", "exaone4": "RcFNS",
+    "falcon_h1": "RcFNS", "gemma": "RcFNG", "gemma2": "RcFNG", "gemma3": "RcFLNG", "gemma3_text": "RcFNG",
+    "gemma4": "rcFlNG", "gemma4_text": "rcFNG", "glm4": "rcFNS", "glm4v": "rcFNS", "glm4v_moe": "rcFNS",
+    "gpt_oss": "RcFNs", "granite": "RCfNS", "hunyuan_v1_dense": "RcFNS", "hunyuan_v1_moe": "RcFNS",
+    "internvl": "cFNL", "llama": "RcFNS", "llama4": "RcFNSL", "llama4_text": "RcFNSL", "llava": "cF",
+    "ministral": "RcFNS", "mistral": "RcFNS", "mixtral": "RcFNS", "mllama": "RcFLNS", "mllama_text_model": "RcFLNS",
+    "muse_glimmer": "RcFLNS", "nemotron": "QcF", "olmo2": "RcFNS", "olmo3": "RcFNS", "paligemma": "RcFLNG",
+    "phi3": "RcFNS", "pixtral": "RNS", "qwen2": "RcFNS", "qwen2_5_vl": "RcFNS", "qwen2_5_vl_text": "RcFNS",
+    "qwen2_vl": "RcFNLS", "qwen2_vl_text": "RcFNLS", "qwen3": "RcFNS", "qwen3_5": "rcFNS", "qwen3_5_moe": "rcFNS",
+    "qwen3_5_moe_text": "rcFNS", "qwen3_5_text": "rcFNS", "qwen3_moe": "RcFNS", "qwen3_next": "rcFNS",
+    "qwen3_vl": "RcFNs", "qwen3_vl_moe": "RcFNS", "qwen3_vl_moe_text": "RcFNS", "qwen3_vl_text": "RcFNs",
+    "smollm3": "RcFNS", "smolvlm": "cFNL",
 }
+# Vision-language model types whose Liger function, given the model, applies the function of the language
+# model's own type to the language model (the other keys passed on, the loss keys off: the outer one's loss
+# is the model's): Llava, InternVL, SmolVLM.
+_LIGER_DELEGATES = ("internvl", "llava", "smolvlm")
 LIGER_VERSION = "0.8.5"
 
 
-def liger_defaults(model_type: str | None) -> dict[str, bool] | None:
-    """The keys Liger accepts for ``model_type`` with its defaults; None when Liger has no function for it."""
+def liger_model_types() -> tuple[str, ...]:
+    """Every model type Liger-Kernel has an ``apply_liger_kernel_to_*`` function for (sorted)."""
+    return tuple(sorted(_LIGER_TABLE))
+
+
+def liger_defaults(model_type: str | None, text_model_type: str | None = None) -> dict[str, bool] | None:
+    """The keys Liger accepts for ``model_type`` with its defaults; None when Liger has no function for it.
+    For a vision-language type whose Liger function hands the language model to that model type's own
+    function (Llava, InternVL, SmolVLM), ``text_model_type`` (its ``text_config.model_type``) adds those
+    keys: what Liger patches on the language model with ``use_liger_kernel`` and no config."""
     code = _LIGER_TABLE.get(model_type or "")
     if code is None:
         return None
-    return {_CODES[c.lower()]: c.isupper() for c in code}
+    out = {_CODES[c.lower()]: c.isupper() for c in code}
+    inner = liger_defaults(text_model_type) if model_type in _LIGER_DELEGATES and text_model_type else None
+    for k, v in (inner or {}).items():
+        if k not in ("cross_entropy", "fused_linear_cross_entropy"):
+            out[k] = out.get(k, False) or v
+    return out
+
+
+def text_model_type_of(model: Any) -> str | None:
+    """A vision-language model's ``text_config.model_type`` (None for a model without a text config)."""
+    text = getattr(getattr(model, "config", None), "text_config", None)
+    mt = getattr(text, "model_type", None)
+    return mt if isinstance(mt, str) else None
 
 
 class LigerConfigError(SpecError):
@@ -163,15 +196,16 @@ class LigerTranslation:
 
 
 def resolve_keys(config: Mapping[str, bool] | None, model_type: str | None,
-                 index: Any = None) -> tuple[dict[str, bool], list[str]]:
+                 index: Any = None, text_model_type: str | None = None) -> tuple[dict[str, bool], list[str]]:
     """Liger's per-model defaults with ``config`` over them, and notes saying where each came from."""
     notes = []
     given = dict(config or {})
-    defaults = liger_defaults(model_type)
+    defaults = liger_defaults(model_type, text_model_type)
     if defaults is None:
         kinds = _present_kinds(index) if index is not None else set()
         defaults = {"rope": True, "cross_entropy": False, "fused_linear_cross_entropy": True, "rms_norm": True,
-                    "swiglu": "SwiGLU" in kinds, "geglu": "GeGLU" in kinds, "layer_norm": False}
+                    "swiglu": "SwiGLU" in kinds, "geglu": "GeGLU" in kinds, "layer_norm": False,
+                    "relu_squared": False}
         notes.append(f"Liger {LIGER_VERSION} has no kernels for model type '{model_type}'; keys left out of the "
                      f"config take the common defaults (rope, rms_norm, the MLP's GLU, fused_linear_cross_entropy)")
     elif not given:
@@ -191,6 +225,11 @@ def resolve_keys(config: Mapping[str, bool] | None, model_type: str | None,
                      "compute the same loss (Liger itself would stop here with an assertion)")
     keys.update(given)
     return keys, notes
+
+
+def _silu_experts(index: Any, by_kind: Mapping[str, list[str]]) -> list[str]:
+    """The routed-experts modules whose activation is silu (what Liger's swiglu key swaps on an MoE)."""
+    return [p for p in by_kind.get("Experts", []) if index.infos[p].kinds["Experts"].get("activation") == "silu"]
 
 
 def _present_kinds(index: Any) -> set[str]:
@@ -218,15 +257,16 @@ def _selectors(paths: list[str], pool: list[str]) -> list[str]:
 
 
 def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_kernel: bool = True,
-                    origin: str = "liger_kernel_config") -> LigerTranslation:
+                    origin: str = "liger_kernel_config", text_model_type: str | None = None) -> LigerTranslation:
     """The spec for ``index``'s model equivalent to Liger's ``config`` (None: ``use_liger_kernel``
     with Liger's defaults).  Raises :class:`LigerConfigError` for an unknown key, a non-boolean
-    value, or nothing to translate; per-site misfits are returned in ``problems``."""
+    value, or nothing to translate; per-site misfits are returned in ``problems``.
+    ``text_model_type``: a vision-language model's ``text_config.model_type`` (see :func:`liger_defaults`)."""
     given = check_liger_config(config, origin)
     if not use_liger_kernel and config is None:
         raise LigerConfigError("nothing to translate: use_liger_kernel is false and there is no liger_kernel_config",
                                hint="set use_liger_kernel: true (Liger's defaults) or give liger_kernel_config")
-    keys, notes = resolve_keys(given if config is not None else None, index.model_type, index)
+    keys, notes = resolve_keys(given if config is not None else None, index.model_type, index, text_model_type)
     infos = [i for i in index if i.path]
     by_kind: dict[str, list[str]] = {}
     for i in infos:
@@ -254,8 +294,13 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
             other = "rms_norm" if kind == "LayerNorm" else "layer_norm"
             alt = " (its norms are " + ("RMSNorms" if by_kind.get("RMSNorm") else "LayerNorms") + f": {other})" \
                 if by_kind.get("RMSNorm" if kind == "LayerNorm" else "LayerNorm") else ""
-            problems.append(f"{key}: {cls} has no {kind} module{alt}")
-            misfits[key] = other if alt else None
+            if key in given:
+                problems.append(f"{key}: {cls} has no {kind} module{alt}")
+                misfits[key] = other if alt else None
+            else:
+                # on by Liger's default for the model type, for modules this model does not have (Llama 4's
+                # layer_norm is for its vision tower, absent from Llama4ForCausalLM): Liger patches nothing
+                notes.append(f"{key} (on by Liger's default) has nothing to patch: {cls} has no {kind} module{alt}")
     # rope
     if keys["rope"]:
         if not attn:
@@ -277,8 +322,13 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
         if not keys[key]:
             continue
         pool = by_kind.get(kind, [])
+        experts = _silu_experts(index, by_kind) if key == "swiglu" else []
         if pool:
             rules.append((key, f"{', '.join(_selectors(pool, pool))}: {kind} -> {op}"))
+        if experts:
+            # Liger's swiglu on a mixture of experts also swaps the routed experts (LigerExperts, transformers 5)
+            rules.append((key, f"{', '.join(_selectors(experts, by_kind['Experts']))}: Experts -> fused_experts"))
+        if pool or experts:
             continue
         others = by_kind.get(other_kind, [])
         folded: dict[tuple[str, Any], list[str]] = {}      # one line per class and activation, not per layer
@@ -292,6 +342,14 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
         if not others:
             problems.append(f"{key}: {cls} has no gated MLP (gate/up/down projections) that patchdsl recognises")
             misfits[key] = None
+    # relu_squared (Nemotron): the MLP's relu2 activation
+    if keys["relu_squared"]:
+        pool = [p for p in by_kind.get("MLP", []) if index.infos[p].kinds["MLP"].get("activation") == "relu2"]
+        if pool:
+            rules.append(("relu_squared", f"{', '.join(_selectors(pool, by_kind['MLP']))}: MLP -> fused_mlp"))
+        else:
+            problems.append(f"relu_squared: {cls} has no MLP with a relu2 activation that patchdsl recognises")
+            misfits["relu_squared"] = None
     # the loss
     for key, op, flags in (("cross_entropy", "fused_cross_entropy", "ignore_index=-100"),
                            ("fused_linear_cross_entropy", "fused_linear_cross_entropy", "ignore_index=-100, chunk=auto")):
@@ -319,7 +377,7 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
                             tuple(misfits.items()))
 
 
-def fitting_config(t: LigerTranslation, index: Any) -> dict[str, bool] | None:
+def fitting_config(t: LigerTranslation, index: Any, text_model_type: str | None = None) -> dict[str, bool] | None:
     """The Liger config closest to ``t``'s that translates on ``index``'s model without a problem: every
     key that fits nothing off, the key its problem names (``use geglu``) on instead; None when no such
     config translates to at least one rule.  Hints print it, so that following them works."""
@@ -331,7 +389,7 @@ def fitting_config(t: LigerTranslation, index: Any) -> dict[str, bool] | None:
         if instead is not None:
             keys[instead] = True
     try:
-        fixed = translate_liger(keys, index)
+        fixed = translate_liger(keys, index, text_model_type=text_model_type)
     except LigerConfigError:
         return None
     return keys if fixed.ok else None

@@ -58,6 +58,7 @@ class LoadedModel:
     source: str                # one line: where the weights/architecture came from
     has_weights: bool          # True only when real (pretrained) weights were loaded
     config: Any                # the PretrainedConfig the model was built from
+    layers: Any = None         # load_model(layers=N): the KeptLayers record (which original layers were kept)
 
 
 # ---------------------------------------------------------------- shipped configs
@@ -228,6 +229,7 @@ def config_from_dict(d: dict):
     """A PretrainedConfig from a config.json dict, without remote code (auto_map is ignored)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    d = _special_floats(d)
     check_config_dict(d)
     d = {k: v for k, v in d.items() if k not in ("auto_map", "_name_or_path")}
     model_type = d["model_type"]
@@ -237,9 +239,40 @@ def config_from_dict(d: dict):
         raise ModelLoadError(f"model_type '{model_type}' is not known to transformers {_transformers_version()} "
                              f"(patchdsl does not run remote code)") from None
     try:
-        return cls.from_dict(d)
+        cfg = cls.from_dict(d)
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
         raise ModelLoadError(f"transformers refused this {model_type} config: {_one_line(e)}") from None
+    _implied_head_dim(cfg)
+    return cfg
+
+
+def _special_floats(d: dict) -> dict:
+    """Non-finite floats as transformers 5.2x writes them in a config.json (``{"__float__": "Infinity"}``:
+    Falcon-H1's ``time_step_limit``), read back as floats as transformers' own config loading does."""
+    def dec(o):
+        if isinstance(o, dict):
+            if len(o) == 1 and isinstance(o.get("__float__"), str) and o["__float__"] in ("Infinity", "-Infinity", "NaN"):
+                return float(o["__float__"].lower().replace("infinity", "inf"))
+            return {k: dec(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [dec(v) for v in o]
+        return o
+
+    return dec(d)
+
+
+def _implied_head_dim(cfg) -> None:
+    """Head sizes a config leaves None (transformers' default Hunyuan and Ministral configs: ``head_dim``;
+    Nemotron's: ``num_key_value_heads``) that the modelling code reads as they are: the hidden size / heads
+    and the heads (multi-head attention) they mean."""
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        heads = getattr(c, "num_attention_heads", None) if c is not None else None
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
+            continue
+        if "head_dim" in vars(c) and vars(c)["head_dim"] is None and isinstance(getattr(c, "hidden_size", None), int):
+            c.head_dim = c.hidden_size // heads
+        if "num_key_value_heads" in vars(c) and vars(c)["num_key_value_heads"] is None:
+            c.num_key_value_heads = heads
 
 
 def _transformers_version() -> str:
@@ -352,23 +385,27 @@ SAY_BUILD_BYTES = 4 * 2 ** 30  # a build whose weights take this much (a while t
 
 
 def _full_build_fits(cfg, dtype, device: str, attn_implementation, where: str) -> str | None:
-    """The line saying what a full-size random build of ``cfg`` takes (its weights, counted on the meta
-    device, no memory) against the free memory of ``device`` -- None for a build under SAY_BUILD_BYTES,
-    done in moments; ModelLoadError when they do not fit."""
-    from ..util.vocab import dtype_name
-    from .memory import MemoryTooSmall, check_fits, count_params, human_params
-
+    """The line saying what a full-size random build of ``cfg`` takes (its weights, counted on a model
+    built on the meta device, no memory) against the free memory of ``device`` -- None for a build under
+    SAY_BUILD_BYTES, done in moments; ModelLoadError when they do not fit."""
     try:
         m = _build(cfg, dtype=dtype, device=device, meta=True, tiny=False, seed=0,
                    attn_implementation=attn_implementation)
     except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, OverflowError, ZeroDivisionError) as e:
         raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {_one_line(e)}") from None
+    return _meta_model_fits(m, device)
+
+
+def _meta_model_fits(m, device: str) -> str | None:
+    """:func:`_full_build_fits` of a model already on the meta device (a model cut to its kept layers)."""
+    from ..util.vocab import dtype_name
+    from .memory import MemoryTooSmall, check_fits, count_params, human_params
+
     n, dt = count_params(m), next(m.parameters()).dtype
-    del m
     try:
         line = check_fits(n * dt.itemsize, device,
-                          f"building the {cfg.model_type} architecture at its full sizes ({human_params(n)} parameters "
-                          f"in {dtype_name(dt)}, random weights)",
+                          f"building the {m.config.model_type} architecture at its full sizes ({human_params(n)} "
+                          f"parameters in {dtype_name(dt)}, random weights)",
                           hint="a tiny model of the same architecture fits (--tiny, the default on a CPU; "
                                "load_model(..., tiny=True))")
     except MemoryTooSmall as e:
@@ -376,10 +413,43 @@ def _full_build_fits(cfg, dtype, device: str, attn_implementation, where: str) -
     return line if n * dt.itemsize >= SAY_BUILD_BYTES else None
 
 
+def _materialise(model, device: str, seed: int):
+    """A model cut on the meta device, on ``device`` with transformers' own random initialisation (what
+    ``from_pretrained`` does for weights a checkpoint lacks: empty tensors, then ``initialize_weights``,
+    which also fills the non-persistent buffers such as the rotary tables), weights tied again."""
+    import torch
+
+    dev = torch.device(device)
+    model.to_empty(device=dev)
+    for t in (*model.modules(), *model.parameters(), *model.buffers()):
+        if "_is_hf_initialized" in vars(t):
+            delattr(t, "_is_hf_initialized")
+    torch.manual_seed(seed)
+    if dev.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+def _cut(model, n: int):
+    from .layers import LayersError, keep
+
+    try:
+        return keep(model, n)
+    except LayersError as e:
+        raise ModelLoadError(str(e)) from None
+
+
 def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu", meta: bool = False,
                weights: bool = True, attn_implementation: str | None = None, tiny: bool = False,
-               seed: int = 0, log: Callable[[str], Any] | None = print) -> LoadedModel:
+               seed: int = 0, layers: int | None = None, log: Callable[[str], Any] | None = print) -> LoadedModel:
     """Load ``spec`` (Hub id, model directory or config.json path); see the module docstring.
+
+    ``layers=N``: keep N decoder layers, at least one of each layer type (:mod:`patchdsl.model.layers`;
+    ``LoadedModel.layers`` says which).  Built from a config, the model is made on the meta device, cut,
+    and only the kept part is materialised on ``device``: a 671B-parameter config with ``layers=2``
+    allocates two layers, the embeddings and the head.
 
     Raises ``ModelLoadError`` when ``spec`` resolves to nothing, with the shipped ids in the message.
     """
@@ -391,8 +461,11 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
     path = Path(spec_s).expanduser()
 
     def done(model, source: str, has_weights: bool) -> LoadedModel:
+        kept = _cut(model, layers) if layers is not None else None     # a model cut while built: its record
+        if kept is not None:
+            source += f"; {kept.describe()}"
         log(source)
-        return LoadedModel(model, source, has_weights, model.config)
+        return LoadedModel(model, source, has_weights, model.config, kept)
 
     def from_config(cfg_dict: dict, where: str, why: str | None) -> LoadedModel:
         cfg = config_from_dict(cfg_dict)
@@ -403,14 +476,23 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
             except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as e:
                 raise ModelLoadError(f"cannot shrink the {cfg.model_type} architecture from {where} to a tiny one: "
                                      f"{_one_line(e)}; --full builds it at its own sizes") from None
-        if not meta and not tiny:
-            # a full-size build: said before it starts, refused at once when its weights alone do not fit
+        # a full-size build: said before it starts (4 GiB or more), refused at once when its weights alone do
+        # not fit -- counted on the meta device, after the cut with layers=N
+        if not meta and not tiny and layers is None:
             said = _full_build_fits(cfg, dtype, device, attn_implementation, where)
             if said:
                 log(said)
         try:
-            model = _build(cfg, dtype=dtype, device=device, meta=meta, tiny=tiny, seed=seed,
+            # layers=N: built on the meta device, cut, and only what is kept materialised
+            model = _build(cfg, dtype=dtype, device=device, meta=meta or layers is not None, tiny=tiny, seed=seed,
                            attn_implementation=attn_implementation)
+            if layers is not None and _cut(model, layers) and not meta:
+                said = None if tiny else _meta_model_fits(model, device)
+                if said:
+                    log(said)
+                model = _materialise(model, device, seed)
+        except ModelLoadError:
+            raise
         except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, OverflowError, ZeroDivisionError) as e:
             raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {_one_line(e)}") \
                 from None

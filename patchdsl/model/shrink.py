@@ -20,7 +20,7 @@ def shrink_composite(cfg, tiny_config):
     cfg.text_config = shrink_config(sub["text_config"], tiny_config)
     for k, c in sub.items():
         if k != "text_config":
-            setattr(cfg, k, _tiny_tower(c, cfg.text_config))
+            setattr(cfg, k, _tiny_tower(c, cfg.text_config, getattr(sub["text_config"], "hidden_size", None)))
     _fit_mrope(cfg.text_config)
     if isinstance(getattr(cfg, "mm_tokens_per_image", None), int):
         # Gemma 3: image tokens = (image_size / patch_size)^2 pooled to this many
@@ -65,20 +65,33 @@ def shrink_config(cfg, tiny_config):
     return tiny_config(cfg)
 
 
-_TOWER_SIZES = (("hidden_size", 64), ("intermediate_size", 128), ("num_hidden_layers", 1), ("depth", 1),
+_TOWER_SIZES = (("hidden_size", 64), ("embed_dim", 64), ("intermediate_size", 128), ("num_hidden_layers", 1), ("depth", 1),
                 ("num_layers", 1), ("num_attention_heads", 2), ("num_heads", 2), ("num_key_value_heads", 2),
                 ("image_size", 32), ("patch_size", 8), ("num_global_layers", 1))
 
 
-def _tiny_tower(c, text):
-    """A vision/audio tower shrunk by its common size names (sizes it does not have are left)."""
+def _tiny_tower(c, text, text_hidden0=None):
+    """A vision/audio tower shrunk by its common size names (sizes it does not have are left; a tower's
+    own names for them through its ``attribute_map``).  A tower whose own width is ``embed_dim`` and whose
+    ``hidden_size`` is the language model's (Qwen2-VL: its merger projects to the text width) gets the
+    shrunk text width there (``text_hidden0``: the text tower's width before shrinking)."""
     d, added = with_standard_names(c.to_dict(), attribute_map(c))
+    layers0 = {k: d[k] for k in ("num_hidden_layers", "depth", "num_layers") if isinstance(d.get(k), int)}
     for k, v in _TOWER_SIZES:
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > v:
             d[k] = v
+    for k, n0 in layers0.items():
+        # per-layer lists of the tower (MuSE-Glimmer's layer_types) follow its layer count
+        for key, v in list(d.items()):
+            if (key not in _NOT_PER_LAYER and isinstance(v, list) and len(v) == n0 > d[k]
+                    and all(not isinstance(x, (list, dict)) for x in v)):
+                d[key] = v[:d[k]]
     for k in ("out_hidden_size", "projection_dim", "text_hidden_size"):
         if isinstance(d.get(k), int):
             d[k] = text.hidden_size
+    if isinstance(d.get("embed_dim"), int) and text_hidden0 is not None and c.to_dict().get(
+            added.get("hidden_size", "hidden_size")) == text_hidden0:
+        d["hidden_size"] = text.hidden_size      # Qwen2-VL: the vision merger's output is the text width
     for k in ("intermediate_layers_indices", "deepstack_visual_indexes", "fullatt_block_indexes"):
         if isinstance(d.get(k), list):
             d[k] = [0]
@@ -171,11 +184,17 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
             continue
         if isinstance(v, list) and len(v) == L0 and L0 > 1 and all(not isinstance(x, (list, dict)) for x in v):
             d[k] = [v[min(i, L0 - 1)] for i in idx]
+    _per_layer_overrides(d, idx, L0, hd / hd0)
     d["num_hidden_layers"] = n
     if isinstance(d.get("max_window_layers"), int):
         d["max_window_layers"] = min(n, round(d["max_window_layers"] * n / L0))
     if d.get("sliding_window"):
         d["sliding_window"] = min(int(d["sliding_window"]), 8)
+    rates = d.get("compress_rates")
+    if isinstance(rates, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in rates.values()):
+        # DeepSeek-V4's compressed attention (a token per 4, per 128): a few compressed tokens at 8-token
+        # workloads, not none (an empty tensor through the compressor's norm)
+        d["compress_rates"] = {k: min(v, 2 if v == min(rates.values()) else 4) for k, v in rates.items()}
     _tiny_mamba(d, hidden, hidden0)
     _tiny_moe_defaults(d)
     grouped = _tiny_groups(d)
@@ -206,6 +225,11 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     # vocabulary and the special ids in it
     vocab = min(vocab, int(d.get("vocab_size") or vocab))
     d["vocab_size"] = vocab
+    # Gemma 3n / 4's per-layer input embeddings (a vocab x layers x width table: 262144 x 30 x 256 by default)
+    if isinstance(d.get("vocab_size_per_layer_input"), int) and d["vocab_size_per_layer_input"] > vocab:
+        d["vocab_size_per_layer_input"] = vocab
+    if isinstance(d.get("hidden_size_per_layer_input"), int) and d["hidden_size_per_layer_input"] > 16:
+        d["hidden_size_per_layer_input"] = 16
     big = sorted({i for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                   for i in (d.get(k) if isinstance(d.get(k), list) else [d.get(k)])
                   if isinstance(i, int) and i >= vocab})
@@ -220,6 +244,30 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
     new = type(config).from_dict(with_real_names(d, added))
     new._name_or_path = f"tiny:{getattr(config, '_name_or_path', '') or d.get('model_type')}"
     return new
+
+
+def _per_layer_overrides(d: dict, idx: list, L0: int, head_scale: float) -> None:
+    """Per-layer overrides keyed by layer index (Gemma 4's ``per_layer_config``: ``{"05": {"head_dim": 512}}``,
+    its full-attention layers' wider heads) for the kept layers ``idx``, renumbered, their head sizes shrunk
+    with the others' (transformers checks the keys against ``num_hidden_layers``)."""
+    for k, v in list(d.items()):
+        if not (isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values())):
+            continue
+        try:
+            old = {int(x): x for x in v}
+        except (TypeError, ValueError):
+            continue
+        if not all(0 <= i < L0 for i in old):
+            continue
+        width = max(len(str(x)) for x in v) if all(isinstance(x, str) for x in v) else 0
+        new = {}
+        for pos, i in enumerate(idx):
+            if i in old:
+                o = dict(v[old[i]])
+                if isinstance(o.get("head_dim"), int):
+                    o["head_dim"] = max(2, int(round(o["head_dim"] * head_scale / 2)) * 2)
+                new[str(pos).zfill(width) if width else pos] = o
+        d[k] = new
 
 
 # MoE sizes a family's default config leaves None though its modelling code needs them (transformers 5.x):

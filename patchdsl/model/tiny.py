@@ -39,7 +39,7 @@ def tiny_family_config(model_type: str):
     for c in (cfg, getattr(cfg, "text_config", None)):
         # a default config that leaves head_dim None (Hunyuan, Ministral): the modeling code reads
         # config.head_dim as it is, so give it the hidden / heads it means
-        if c is not None and "head_dim" in vars(c) and c.head_dim is None and getattr(c, "num_attention_heads", None):
+        if c is not None and "head_dim" in vars(c) and vars(c)["head_dim"] is None and getattr(c, "num_attention_heads", None):
             c.head_dim = c.hidden_size // c.num_attention_heads
     cfg._attn_implementation = "eager"
     # routed experts run as plain loops: verify's float64 reference cannot run grouped_mm

@@ -73,7 +73,8 @@ def _analyse_swap(cls: type) -> "RopeSwap | str":
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
              and n.func.id == ROPE_FN]
     if not calls:
-        return f"{name}.forward does not call {ROPE_FN} (no rotary embedding to fuse)"
+        from ..model.forward.attention import no_rope_call_reason
+        return no_rope_call_reason(name, src)
     if len(calls) != 1 or len(uses) != 1:
         return f"{name}.forward uses {ROPE_FN} {len(uses)} times (the fused kernel replaces exactly one call)"
     code = raw.__code__

@@ -29,9 +29,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import FlagSpec, Op
+from .base import DTYPE_FLOORS, FlagSpec, Op
+from .fp8_linear import UNIT_ROUNDOFF
 from ..model.info import ModuleInfo
 from .registry import register
+
+# fp8 recipes of the expert GEMMs: fp8_linear's names; tensorwise is not one (the grouped fp8 GEMM
+# takes a scale per row and column)
+EXPERT_RECIPES = ("rowwise", "rowwise_with_gw_hp")
+FP8_ALIGN = 16          # the fp8 grouped GEMM: hidden and intermediate multiples of 16
 
 class FusedExperts(Op):
     name = "fused_experts"
@@ -43,10 +49,25 @@ class FusedExperts(Op):
            "parallelism's 'not here') skipped; PEFT LoRA on the expert weights (target_parameters) applied from "
            "its factors as grouped GEMMs, never materialising W + BA, a frozen base skipping its weight-gradient "
            "GEMMs; the routing stays the router's (see fused_router); deterministic; per instance "
-           "(transformers' experts registry untouched).")
+           "(transformers' experts registry untouched). Routing: the op takes the router's top_k_index / "
+           "top_k_weights as they come (softmax, sigmoid grouped top-k, any k; fused_router computes them), "
+           "and the routing weights get their gradient so the router trains. LoRA: PEFT's target_parameters "
+           "adapters on gate_up_proj / down_proj are read from their factors at call time, each low-rank "
+           "product two skinny grouped GEMMs, gradients for both factors. fp8: fp8=rowwise runs all six expert "
+           "GEMMs (forward, input and weight gradients) on e4m3 operands with power-of-two per-row scales "
+           "through torch._scaled_grouped_mm, rowwise_with_gw_hp keeps the weight gradients in bf16; bf16 "
+           "models on Hopper only, emulate=true elsewhere (numerics only); verify judges fp8 sites against the "
+           "recipe's bound (0.254 + the dtype's floor); LoRA products stay in bf16.")
     flags = (
         FlagSpec("save_pre", "bool", True, "keep the gate/up pre-activations (2 x intermediate per token slot) "
                  "for backward; false recomputes them there (one more grouped GEMM, less memory)"),
+        FlagSpec("fp8", "choice", "off", "the expert GEMMs in fp8 (torch._scaled_grouped_mm, Hopper), with "
+                 "fp8_linear's recipe names: rowwise (all six GEMMs on e4m3 operands, a power-of-two scale per "
+                 "row along each GEMM's reduction dimension; a weight gradient's operands per column and expert) "
+                 "or rowwise_with_gw_hp (the weight gradients in the model's dtype); off: bf16 GEMMs",
+                 choices=("off",) + EXPERT_RECIPES),
+        FlagSpec("emulate", "bool", False, "with fp8: the recipe's quantisation with fp32 matmuls of the "
+                 "dequantised values instead of fp8 GEMMs (CPU / older GPUs: its numerics, not its speed)"),
     )
 
     def key_params(self, info: ModuleInfo, flags: Mapping[str, Any], dtype: str, target: str) -> dict[str, Any]:
@@ -59,10 +80,13 @@ class FusedExperts(Op):
                 "activation": str(f["activation"]),
                 "alpha": float(f["alpha"]) if f.get("alpha") is not None else None,
                 "limit": float(f["limit"]) if f.get("limit") is not None else None,
-                "target": target, "save_pre": bool(flags.get("save_pre", True))}
+                "target": target, "save_pre": bool(flags.get("save_pre", True)),
+                "fp8": str(flags.get("fp8", "off")),
+                "emulate": bool(flags.get("emulate", False)) and str(flags.get("fp8", "off")) != "off"}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
-        parts = [self.name, params["activation"], params["dtype"], f"e{params['experts']}", f"k{params['top_k']}",
+        parts = [self.name, params["activation"], params["dtype"], f"e{params['experts']}",
+                 f"k{params['top_k']}" if params["top_k"] else "kany",
                  f"h{params['hidden']}", f"i{params['intermediate']}", params["layout"]]
         if params["transposed"]:
             parts.append("t")
@@ -70,6 +94,8 @@ class FusedExperts(Op):
             parts.append("bias")
         if not params["save_pre"]:
             parts.append("recompute")
+        if params.get("fp8", "off") != "off":
+            parts.append(f"fp8_{params['fp8']}" + ("_emulated" if params.get("emulate") else ""))
         parts.append(params["target"])
         return "_".join(str(p) for p in parts)
 
@@ -80,11 +106,42 @@ class FusedExperts(Op):
         depth = int(info.facts("Experts").get("peft_depth") or 0)
         return info.path + ".base_layer" * depth
 
-    def misfit(self, info: ModuleInfo, index: Any) -> str | None:
-        if not info.facts("Experts").get("top_k"):
-            return (f"{info.path} ({info.cls}): its top-k is not known (neither the module's top_k nor its "
-                    "config's num_experts_per_tok); not patched")
+    def unavailable(self, params: Mapping[str, Any]) -> str | None:
+        """fp8 experts: where fp8 grouped GEMMs cannot run (None when they can, emulated, or off)."""
+        if params.get("fp8", "off") == "off":
+            return None
+        bad = [f"{n}={params[n]}" for n in ("hidden", "intermediate") if int(params[n]) % FP8_ALIGN]
+        if bad:
+            return (f"fp8 experts need hidden and intermediate sizes that are multiples of {FP8_ALIGN} "
+                    f"({', '.join(bad)}); use fused_experts without fp8")
+        if params.get("emulate"):
+            return None
+        fix = "; fused_experts(fp8=..., emulate=true) runs the recipe's numerics without fp8 GEMMs (tests only)"
+        if params["dtype"] != "bf16":
+            return (f"fp8 experts produce bfloat16 (torch._scaled_grouped_mm's only output); this model is "
+                    f"{params['dtype']}: load it in bfloat16, or leave fp8 off" + fix)
+        if params["target"] != "cuda":
+            return ("fp8 grouped GEMMs need a Hopper GPU (compute capability 9.x, torch._scaled_grouped_mm); "
+                    "this plan targets the Triton interpreter (no GPU)" + fix)
+        import torch
+
+        if not hasattr(torch, "_scaled_grouped_mm"):
+            return f"torch {torch.__version__} has no torch._scaled_grouped_mm" + fix
+        if not torch.cuda.is_available():
+            return "fp8 grouped GEMMs need a Hopper GPU, and none is visible" + fix
+        cap = tuple(torch.cuda.get_device_capability())
+        if cap[0] != 9:
+            return (f"fp8 grouped GEMMs (torch._scaled_grouped_mm's rowwise kernels) need a Hopper GPU "
+                    f"(compute capability 9.x); this GPU ({torch.cuda.get_device_name()}) is {cap[0]}.{cap[1]}" + fix)
         return None
+
+    def parity_floor(self, flags: Mapping[str, Any], dtype: str) -> float | None:
+        """verify's floor with fp8 on: twice the worst relative rounding of an e4m3 x e4m3 product,
+        2 (u + u + u^2) (see fp8_linear.tolerance_floor), plus the dtype's floor; None with fp8 off."""
+        if str(flags.get("fp8", "off")) == "off":
+            return None
+        u = UNIT_ROUNDOFF["e4m3"]
+        return 2.0 * (2 * u + u * u) + DTYPE_FLOORS.get(dtype, 0.0)
 
     def check(self, module: Any, info: ModuleInfo, flags: Mapping[str, Any]) -> str | None:
         import torch

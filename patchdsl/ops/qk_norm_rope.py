@@ -115,7 +115,10 @@ class FusedQKNormRope(Op):
                 and q_pad * (g["rotary_dim"] // 2) <= BLOCK_MAX_HALF_ELEMS):
             tuning.update(CUDA_BWD_BLOCK_LAYOUT)
             pps, warps = _block_bwd_programs_per_sm(q_pad), CUDA_BWD_BLOCK_WARPS
-        return {"dtype": dtype, **g, "eps": eps, "offset": offset, "casting": casting, **tuning,
+        out_cast = f.get("rotary_out_dtype") == "input"
+        if out_cast:
+            tag += "_cast"
+        return {"dtype": dtype, **g, "eps": eps, "offset": offset, "casting": casting, "out_cast": out_cast, **tuning,
                 "q_heads_pad": q_pad, "k_heads_pad": next_pow2(g["n_kv_heads"]),
                 "bwd_programs_per_sm": int(resolve_auto(flags, "bwd_programs_per_sm", pps)),
                 "bwd_warps": int(resolve_auto(flags, "bwd_warps", warps)), "target": target, "tag": tag}
@@ -178,6 +181,7 @@ class FusedQKNormRope(Op):
         if isinstance(an, str):
             raise ValueError(f"fused_qk_norm_rope cannot patch {type(module).__name__}: {an}")
         eps, offset, casting = _norm_facts(info.facts("Attention"), flags)
+        out_cast = info.facts("Attention").get("rotary_out_dtype") == "input"
 
         def qk(self, q, k, cos, sin):
             wq, wk = unwrap(self.q_norm).weight, unwrap(self.k_norm).weight
@@ -187,8 +191,9 @@ class FusedQKNormRope(Op):
                     raise RuntimeError(f"fused_qk_norm_rope: {why}")
             if cos.requires_grad or sin.requires_grad or str(q.dtype) not in SUPPORTED_DTYPES or q.dtype != k.dtype:
                 # learned cos/sin or an unsupported dtype: the same arithmetic in plain torch
-                return reference_rope(reference_rmsnorm(q, wq, eps, offset, casting),
-                                      reference_rmsnorm(k, wk, eps, offset, casting), cos, sin)
+                nq, nk = reference_rmsnorm(q, wq, eps, offset, casting), reference_rmsnorm(k, wk, eps, offset, casting)
+                qo, ko = reference_rope(nq, nk, cos, sin)
+                return (qo.to(nq.dtype), ko.to(nk.dtype)) if out_cast else (qo, ko)
             return kernels(q.dtype).qk_norm_rope(q, k, wq, wk, cos, sin)
 
         return build_forward(an, qk)

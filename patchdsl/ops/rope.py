@@ -180,7 +180,11 @@ class FusedRope(Op):
         tag = f"d{g['head_dim']}_r{g['rotary_dim']}_q{g['n_q_heads']}k{g['n_kv_heads']}"
         if layout != "rotate_half":
             tag += "_" + layout
-        return {"dtype": dtype, **g, "rotary_layout": layout, "target": target, "tag": tag}
+        # the model's apply_rotary_pos_emb casts its result back to q's dtype (OLMo 2/3) or returns the promotion
+        out_cast = f.get("rotary_out_dtype") == "input"
+        if out_cast:
+            tag += "_cast"
+        return {"dtype": dtype, **g, "rotary_layout": layout, "out_cast": out_cast, "target": target, "tag": tag}
 
     def kernel_name(self, params: Mapping[str, Any]) -> str:
         return f"{self.name}_{params['dtype']}_{params['tag']}_{params['target']}"
@@ -204,9 +208,12 @@ class FusedRope(Op):
         if isinstance(route, str):
             raise ValueError(f"{self.name} cannot patch {type(module).__name__}: {route}")
 
+        out_cast = f.get("rotary_out_dtype") == "input"
+
         def fused(q, k, cos, sin):
             if cos.requires_grad or sin.requires_grad or str(q.dtype) not in SUPPORTED_DTYPES or q.dtype != k.dtype:
-                return reference_rotary(q, k, cos, sin, layout)  # learned cos/sin or an unsupported dtype: plain torch
+                qo, ko = reference_rotary(q, k, cos, sin, layout)  # learned cos/sin or an unsupported dtype: plain torch
+                return (qo.to(q.dtype), ko.to(k.dtype)) if out_cast else (qo, ko)
             return kernels(q.dtype).rope(q, k, cos, sin)
 
         if route[0] == "swap":

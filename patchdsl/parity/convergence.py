@@ -356,9 +356,26 @@ FP8_FINAL_RTOL = 0.005
 FP8_FINAL_STEPS = 10
 
 
-def fp8_spec_text(family: str, recipe: str = "rowwise", emulate: bool = False, without: tuple[str, ...] = ()) -> str:
-    """The family's shipped spec plus every attention and MLP projection in fp8."""
-    return spec_text(family, without) + FP8_RULE.format(recipe=recipe, emulate=", emulate=true" if emulate else "")
+FP8_ON = ("projections", "experts")
+
+
+def fp8_spec_text(family: str, recipe: str = "rowwise", emulate: bool = False, without: tuple[str, ...] = (),
+                  on: str = "projections") -> str:
+    """The family's shipped spec with fp8 ``on`` its projections (every attention and MLP projection
+    through fp8_linear) or its experts (the spec's fused_experts rules with ``fp8=<recipe>``)."""
+    emu = ", emulate=true" if emulate else ""
+    if on == "projections":
+        return spec_text(family, without) + FP8_RULE.format(recipe=recipe, emulate=emu)
+    if on != "experts":
+        raise ValueError(f"fp8 on {on!r}: expected one of {', '.join(FP8_ON)}")
+    import re
+
+    text, n = re.subn(r"->\s*fused_experts(\([^)]*\))?", lambda m: "-> fused_experts(" + ", ".join(
+        [f for f in (m.group(1) or "()")[1:-1].split(",") if f.strip() and not f.strip().startswith(("fp8", "emulate"))]
+        + [f"fp8={recipe}"] + ([emu[2:]] if emu else [])) + ")", spec_text(family, without))
+    if not n:
+        raise ValueError(f"{family}: its shipped spec has no fused_experts rule to run in fp8")
+    return text
 
 
 def step_gaps(ref: Run, other: Run) -> list[float]:
@@ -416,13 +433,13 @@ def run_control(family: str, *, device: str = "cpu", size: str = "tiny", steps: 
 
 def run_fp8(family: str, *, device: str = "cpu", size: str = "tiny", steps: int = 100, batch: int = 4, seq: int = 64,
             dtype: str = "bf16", recipe: str = "rowwise", emulate: bool = False, without: tuple[str, ...] = (),
-            lr: float = LR) -> tuple[Run, Run, list[Check]]:
+            lr: float = LR, on: str = "projections") -> tuple[Run, Run, list[Check]]:
     """Train ``family`` with its shipped spec and with the spec plus fp8 projections, on the same text
     from the same weights; return both runs and :func:`compare_fp8`'s checks."""
     data, eval_ids, _ = training_data(steps, batch, seq)
     ref = run_variant(family, "patchdsl", dtype, device, data, eval_ids, size, lr, spec_text(family, without))
     fp8 = run_variant(family, "patchdsl", dtype, device, data, eval_ids, size, lr,
-                      fp8_spec_text(family, recipe, emulate, without))
+                      fp8_spec_text(family, recipe, emulate, without, on))
     return ref, fp8, compare_fp8(ref, fp8)
 
 

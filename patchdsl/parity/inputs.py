@@ -126,6 +126,14 @@ def _check(kind: str, path: str, op: str, quantity: str, patched: Any, hf: Any, 
                      (note + "; " if note else "") + f"no value from {missing}")
     ep = errors(patched, ref)
     eh = errors(hf, ref) if hf is not None else Errors.nonfinite()
+    # every op returns the dtypes the module it replaces returns (the one place this is checked, for every op,
+    # site output and gradient): a kernel that promotes where the model casts back (or the reverse) changes
+    # what the rest of the model computes in, even where its values are close
+    pd, hd = getattr(patched, "dtype", None), getattr(hf, "dtype", None)
+    if pd is not None and hd is not None and pd != hd:
+        return Check(kind, path, op, quantity, ep.max_abs, ep.max_rel, ep.rel_fro, eh.rel_fro, float("nan"), False,
+                     (note + "; " if note else "") + f"dtype {str(pd).replace('torch.', '')} where the unpatched "
+                     f"model gives {str(hd).replace('torch.', '')}")
     if not bool(_finite(ref)):
         return Check(kind, path, op, quantity, ep.max_abs, ep.max_rel, ep.rel_fro, eh.rel_fro, float("nan"), False,
                      (note + "; " if note else "") + "the float64 reference is not finite")

@@ -66,7 +66,7 @@ class ParityReport:
     refused_required: list[str] = field(default_factory=list)   # refusals of sites not marked optional
     grads_compared: int = 0
     attention: str | None = None          # the spec's attention implementation, when it sets one
-    layers: dict[str, int] | None = None  # verify(layers=N): {"used": N, "of": the model's decoder layers}
+    layers: dict[str, Any] | None = None  # verify(layers=N): {"used", "of", "kept": original indices, "kinds"}
     reference: dict[str, Any] = field(default_factory=dict)   # how the float64 reference was computed
     images: dict[str, Any] | None = None  # a vision-language model: {"fed": bool, "batch": how / "reason": why not}
     memory: dict[str, Any] | None = None  # CUDA: {"peak_bytes", "device_total_bytes", "params", "dtype_bytes"}
@@ -122,9 +122,18 @@ class ParityReport:
             s = "FAIL: " + "; ".join(parts)
         if self.refused:
             s += f" ({len(self.refused)} site(s) refused and left unpatched)"
-        if self.layers and self.layers["used"] < self.layers["of"]:
-            s += f" [first {self.layers['used']} of {self.layers['of']} decoder layers only]"
+        cut = self.layers_cut()
+        if cut:
+            s += f" [{cut} only]"
         return s
+
+    def layers_cut(self) -> str:
+        """"decoder layers 0, 3 of 61" when verify kept some layers only (``layers=N``), else ""."""
+        lay = self.layers
+        if not lay or lay["used"] >= lay["of"]:
+            return ""
+        kept = lay.get("kept") or list(range(lay["used"]))
+        return f"decoder layers {', '.join(map(str, kept))} of {lay['of']}"
 
     # ---- output --------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -168,8 +177,7 @@ class ParityReport:
         """The report as a ``rich.table.Table``."""
         from rich.table import Table
 
-        cut = (f", first {self.layers['used']} of {self.layers['of']} decoder layers"
-               if self.layers and self.layers["used"] < self.layers["of"] else "")
+        cut = f", {self.layers_cut()}" if self.layers_cut() else ""
         t = Table(title=f"patchdsl verify: {self.spec} on {self.model_class} ({self.dtype}, {self.device}, "
                         f"batch {self.batch} x seq {self.seq}{cut})")
         for col, just in (("", "left"), ("kind", "left"), ("path", "left"), ("op", "left"), ("quantity", "left"),

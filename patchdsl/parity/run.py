@@ -45,9 +45,11 @@ def verify(spec: Any, model_or_factory: Any, *, dtype: Any = "fp32", batch: int 
     an ``nn.Module`` (left untouched: it is deep-copied) or a zero-argument function returning
     one (called once; its model is consumed).  ``device``: "cpu", "cuda", ... (default: cuda
     when available).  ``target``: the kernel target (default: detected).  ``factor`` / ``floor``
-    override the tolerance rule of :mod:`patchdsl.parity.compare`.  ``layers``: keep only the
-    first N decoder layers (a quick check of a large model at its real widths; the report says
-    so).  ``reference``: "whole" (a float64 copy of the whole model), "streamed" (one decoder
+    override the tolerance rule of :mod:`patchdsl.parity.compare`.  ``layers``: keep N decoder
+    layers, one of each layer type at least (a quick check of a large model at its real widths; the
+    report names the original layers kept; :mod:`patchdsl.model.layers`).  A model or factory given
+    here is built whole and then cut; ``load_model(..., layers=N)`` (the CLI) builds only the kept
+    layers.  ``reference``: "whole" (a float64 copy of the whole model), "streamed" (one decoder
     layer at a time, see :mod:`patchdsl.parity.stream`) or "auto" (whole when it fits).
     ``images`` (vision-language models, see :mod:`.images`): None (default) feeds an image batch built
     from the config when one runs and the reference is whole, else text only with the reason in
@@ -140,9 +142,9 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     base = _base(model_or_factory)
     layers_info = None
     if layers is not None:
-        kept, of = truncate_layers(base, layers)
-        layers_info = {"used": kept, "of": of}
-        say(f"kept the first {kept} of {of} decoder layers")
+        record = truncate_layers(base, layers)
+        layers_info = record.to_json()
+        say(record.describe())
     # the verdict that needs no run first: a spec that patches nothing here (a spec for another family,
     # optional rules that select nothing, every site refused) fails now, before any copy or forward
     # (planned again below once the model is in the run dtype, whose plan is the one applied)
@@ -154,6 +156,7 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
                               spec=p.spec, batch=batch, seq=seq, steps=steps, seed=seed, factor=tol.factor,
                               floor=tol.floor, nothing_patched=empty)
         report.refused = [str(s.refused) for s in p.sites if s.refused]
+        report.layers = layers_info
         report.seconds = time.perf_counter() - t_start
         return report
     p0 = next(base.parameters(), None)

@@ -53,32 +53,16 @@ class VerifyOutOfMemory(VerifyError):
 
 
 # ---------------------------------------------------------------- the decoder layers
-def truncate_layers(model: Any, n: int) -> tuple[int, int]:
-    """Keep the first ``n`` decoder layers (``verify --layers N``); returns (kept, of).  The
-    config's ``num_hidden_layers`` (and per-layer lists such as ``layer_types``) follow."""
-    import torch
+def truncate_layers(model: Any, n: int):
+    """Keep ``n`` decoder layers (``verify --layers N``), at least one of each layer type the model has
+    (:mod:`patchdsl.model.layers`); the config follows.  Returns the
+    :class:`~patchdsl.model.layers.KeptLayers` record (which original layers were kept)."""
+    from ..model.layers import LayersError, keep
 
-    found = decoder_layers(model)
-    if found is None:
-        raise VerifyError(f"{type(model).__name__} has no list of decoder layers to cut to {n}")
-    path, layers = found
-    total = len(layers)
-    if n < 1:
-        raise VerifyError(f"--layers must be at least 1, got {n}")
-    if n >= total:
-        return total, total
-    holder_path, _, attr = path.rpartition(".")
-    holder = model.get_submodule(holder_path) if holder_path else model
-    holder._modules[attr] = torch.nn.ModuleList(list(layers)[:n])
-    for cfg in {id(c): c for c in (getattr(model, "config", None), getattr(holder, "config", None))
-                if c is not None}.values():
-        if getattr(cfg, "num_hidden_layers", None) == total:
-            cfg.num_hidden_layers = n
-        for key in ("layer_types", "no_rope_layers", "sliding_window_pattern_list", "mlp_only_layers"):
-            v = getattr(cfg, key, None)
-            if isinstance(v, list) and len(v) == total:
-                setattr(cfg, key, v[:n])
-    return n, total
+    try:
+        return keep(model, n)
+    except LayersError as e:
+        raise VerifyError(str(e)) from None
 
 
 # ---------------------------------------------------------------- counting float64 parameters

@@ -311,7 +311,7 @@ def prepare(model: Any, opts: KpatchOptions, training_args: Any = None, *, liger
 def _spec_from_liger(base: Any, opts: KpatchOptions, training_args: Any, liger: tuple[bool, Any] | None,
                      log: Any, notes: list[str]) -> Spec:
     from ..model.index import build_index
-    from ..interop.liger import LigerConfigError, translate_liger
+    from ..interop.liger import LigerConfigError, text_model_type_of, translate_liger
 
     use, cfg = liger if liger is not None else liger_switches(training_args)
     if not use and cfg is None:
@@ -320,14 +320,15 @@ def _spec_from_liger(base: Any, opts: KpatchOptions, training_args: Any, liger: 
                                hint="set use_liger_kernel: true (Liger's defaults for the model) or give "
                                     "liger_kernel_config, or use kpatch_spec")
     index = build_index(base)
-    t = translate_liger(cfg, index, use_liger_kernel=use)
+    text_type = text_model_type_of(base)
+    t = translate_liger(cfg, index, use_liger_kernel=use, text_model_type=text_type)
     if t.problems:
         if opts.strict:
             import json
 
             from ..interop.liger import fitting_config
 
-            fixed = fitting_config(t, index)
+            fixed = fitting_config(t, index, text_type)
             raise LigerConfigError("the Liger config asks for kernels that do not fit this model:\n  "
                                    + "\n  ".join(t.problems),
                                    hint=(f"liger_kernel_config: {json.dumps(fixed)} translates what fits this model; "

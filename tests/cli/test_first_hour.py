@@ -102,15 +102,19 @@ def test_every_list_of_shipped_specs_is_specs_folder():
 
 
 # ---------------------------------------------------------------- hints that lead to something that works
-def test_translate_hint_is_a_command_that_translates(tmp_path):
-    """--liger '{}' on an MoE: Liger's defaults ask for swiglu, which fits nothing there; the hint is a
-    whole command, and running it translates a spec that plans."""
+@pytest.mark.parametrize("liger, fits_nothing", [('{"layer_norm": true}', "layer_norm"),
+                                                  ('{"geglu": true, "swiglu": false}', "geglu"),
+                                                  ('{"relu_squared": true}', "relu_squared")])
+def test_translate_hint_is_a_command_that_translates(liger, fits_nothing, tmp_path):
+    """A Liger key that fits nothing on the model (an MoE with RMSNorms and SwiGLU experts): the hint was
+    "follow the 'use ...' above" where no 'use' was printed; it is a whole command now, and running it
+    translates a spec that plans."""
     cfg = json.loads((ROOT / "patchdsl/model/configs/Qwen__Qwen3-30B-A3B.json").read_text())
     cfg.update(num_hidden_layers=2, max_window_layers=2, num_experts=8)   # its modules, fewer of them (cheap)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     model = str(tmp_path / "config.json")
-    r = run(["translate", "--liger", "{}", "--model", model])
-    assert r.exit_code == 2 and "swiglu" in r.stderr, r.output
+    r = run(["translate", "--liger", liger, "--model", model])
+    assert r.exit_code == 2 and f"error: {fits_nothing}: " in r.stderr, r.output
     hint = next(ln for ln in r.stderr.splitlines() if ln.startswith("hint: "))
     argv = shlex.split(hint.removeprefix("hint: ").split(" translates ")[0])
     assert argv[:2] == ["patchdsl", "translate"], hint

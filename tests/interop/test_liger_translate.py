@@ -103,18 +103,64 @@ def test_liger_defaults_equal_the_shipped_spec(model_id, shipped):
 
 
 def test_liger_table_matches_installed_liger():
-    """The per-model defaults table is Liger's own (checked when Liger is installed)."""
+    """The per-model defaults table is Liger's own, for every model type Liger has a function for (checked
+    when Liger is installed)."""
+    from patchdsl.interop.liger import liger_model_types
+
     mp = pytest.importorskip("liger_kernel.transformers.monkey_patch")
-    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gemma", "gemma2", "granite"):
-        fn = mp.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    assert set(liger_model_types()) == set(mp.MODEL_TYPE_TO_APPLY_LIGER_FN)
+    for model_type, fn in mp.MODEL_TYPE_TO_APPLY_LIGER_FN.items():
         want = {k: p.default for k, p in inspect.signature(fn).parameters.items() if k in LIGER_KEYS}
         assert liger_defaults(model_type) == want, model_type
+
+
+def test_liger_defaults_of_a_vision_language_model_take_its_language_model_s():
+    """Llava, InternVL and SmolVLM hand their language model to its own type's function (the loss stays the
+    outer model's): what Liger patches there is that function's defaults too."""
+    assert liger_defaults("llava") == {"cross_entropy": False, "fused_linear_cross_entropy": True}
+    assert liger_defaults("llava", "llama") == {"cross_entropy": False, "fused_linear_cross_entropy": True,
+                                                "rope": True, "rms_norm": True, "swiglu": True}
+    assert liger_defaults("internvl", "qwen2")["swiglu"] is True
+    assert liger_defaults("qwen2_vl", "qwen2_vl_text") == liger_defaults("qwen2_vl")     # not a delegating one
+
+
+def test_a_default_key_with_nothing_to_patch_is_a_note_and_a_given_one_a_problem():
+    """Llama 4's layer_norm (on by Liger's default) is for its vision tower: on the text model Liger patches
+    nothing with it, and the translation says so in a note; asked for explicitly it is a problem."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama4_text", num_hidden_layers=2))
+    idx = build_index(m)
+    t = translate_liger(None, idx)
+    assert not t.problems and any("layer_norm (on by Liger's default) has nothing to patch" in n for n in t.notes)
+    t = translate_liger({"layer_norm": True}, idx)
+    assert t.problems == ("layer_norm: Llama4ForCausalLM has no LayerNorm module (its norms are RMSNorms: rms_norm)",)
+
+
+def test_swiglu_on_a_mixture_of_experts_takes_its_experts_and_relu_squared_the_relu2_mlp():
+    """Liger's swiglu swaps a MoE's experts for LigerExperts (transformers 5): fused_experts; Nemotron's
+    relu_squared: its relu2 MLPs, fused_mlp."""
+    from ..moe_families import tiny_moe_model
+
+    t = translate_liger(None, build_index(tiny_moe_model("qwen3_moe")))
+    assert any(k == "swiglu" and r.endswith("experts: Experts -> fused_experts") for k, r in t.rules), t.rules
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch
+
+    with torch.device("meta"):
+        nem = AutoModelForCausalLM.from_config(AutoConfig.for_model("nemotron", num_hidden_layers=2, head_dim=64,
+                                                                     num_key_value_heads=8))
+    t = translate_liger(None, build_index(nem))
+    assert dict(t.rules)["relu_squared"] == "*.mlp: MLP -> fused_mlp", t.rules
+    assert not t.problems
 
 
 @pytest.mark.parametrize("config,frag", [
     ({"rms_nrom": True}, "unknown liger_kernel_config key 'rms_nrom' (Liger would drop it silently)\n"
                          "  hint: did you mean 'rms_norm'? allowed keys: rope, swiglu, geglu, cross_entropy, "
-                         "fused_linear_cross_entropy, rms_norm, layer_norm"),
+                         "fused_linear_cross_entropy, rms_norm, layer_norm, relu_squared"),
     ({"flash_attention": True}, "unknown liger_kernel_config key 'flash_attention'"),
     ({"rope": "yes"}, "key 'rope' must be true or false, got \"yes\""),
     ({"cross_entropy": True, "fused_linear_cross_entropy": True}, "both true"),

@@ -174,6 +174,63 @@ def test_shape_mismatch_is_an_error():
 
 
 # ------------------------------------------------------------------------------------------
+# The dtype of the rotated q/k: what the model's own apply_rotary_pos_emb returns.  OLMo 2/3 keep cos/sin
+# in float32 in a bf16 model and cast the result back to q's dtype (a promoting kernel handed float32 q/k
+# to a bf16 attention: `verify --dtype bf16` crashed); Llama's returns the promotion (cos/sin are cast to
+# the activations' dtype first, so this differs only under autocast, where q/k come out float32 too)
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,rule", [("olmo2", "input"), ("olmo3", "input"), ("llama", "promote"),
+                                         ("qwen3", "promote")])
+def test_rotary_out_dtype_is_probed_from_the_models_function(family, rule):
+    from .helpers import tiny_family
+
+    attn = tiny_family(family).model.layers[0].self_attn
+    assert build_index(attn).infos[""].facts("Attention")["rotary_out_dtype"] == rule
+
+
+@pytest.mark.parametrize("rule,dtype,expect", [("input", "bf16", torch.bfloat16), ("input", "fp16", torch.float16),
+                                               ("promote", "bf16", torch.float32)])
+@pytest.mark.parametrize("op_name", [OP, "fused_qk_norm_rope"])
+def test_kernels_return_the_models_rotary_dtype(op_name, rule, dtype, expect):
+    """bf16 / fp16 q and k with float32 cos / sin: the kernel's outputs (and its fake for torch.compile) have
+    the dtype the model's function gives; the gradients are in q's / k's dtype."""
+    f = {**facts(16, 16, 2, 1), "rotary_out_dtype": rule}
+    if op_name != OP:
+        f["qk_norm"] = {"eps": 1e-6, "offset": 0.0, "casting": "llama"}
+    kern = kernel_for(op_name, "Attention", f, dtype)
+    q, k, cos, sin, dq, dk = inputs(1, 3, 2, 1, 16, 16, dtype)
+    cos, sin = cos.float(), sin.float()
+    q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
+    if op_name == OP:
+        qo, ko = kern.rope(q, k, cos, sin)
+    else:
+        w = torch.ones(16, dtype=q.dtype, device=q.device)
+        qo, ko = kern.qk_norm_rope(q, k, w, w, cos, sin)
+    assert qo.dtype == ko.dtype == expect
+    torch.autograd.backward((qo, ko), (dq.to(expect), dk.to(expect)))
+    assert q.grad.dtype == k.grad.dtype == q.dtype
+    ref_q = reference_rope(q.detach().double(), k.detach().double(), cos.double(), sin.double())[0]
+    if op_name == OP:
+        assert rel_err(qo.double(), ref_q) < TOL[dtype]
+
+
+def test_olmo2_bf16_attention_hands_the_attention_bf16_q_and_k():
+    """The shape of the crash: OLMo 2 in bf16 patched with fused_rope runs, and its logits and gradients match
+    the unpatched bf16 model's to bf16 rounding."""
+    import patchdsl
+    from .helpers import tiny_family
+
+    ref = tiny_family("olmo2").to(torch.bfloat16)
+    pat = copy.deepcopy(ref)
+    patchdsl.apply("*.self_attn: Attention -> fused_rope\n", pat)
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    r, p = ref(input_ids=ids, labels=ids), pat(input_ids=ids, labels=ids)
+    assert p.logits.dtype == r.logits.dtype == torch.bfloat16
+    assert rel_err(p.logits.double(), r.logits.double()) < 2e-2
+
+
+# ------------------------------------------------------------------------------------------
 # Specialisation of the generated source
 # ------------------------------------------------------------------------------------------
 

@@ -189,6 +189,45 @@ def test_tiny_gemma3_keeps_sliding_and_full_layers():
     assert c.rope_parameters["sliding_attention"]["rope_theta"] == 10000
 
 
+def test_tiny_gemma4_renumbers_its_per_layer_overrides():
+    """Gemma 4's per_layer_config (its full-attention layers' wider heads, keyed "05", "11", ...) follows the
+    kept layers, its head sizes shrunk with the rest; the per-layer input embeddings shrink with the
+    vocabulary (issue 38: verify exited 3 on `per_layer_config` keys out of range; the tiny model held 135M
+    parameters)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from patchdsl.model.tiny import meta_params, tiny_family_config
+
+    if "gemma4_text" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no Gemma 4")
+    cfg = tiny_family_config("gemma4_text")
+    d = cfg.to_dict()
+    assert d["layer_types"] == ["sliding_attention", "full_attention"]
+    assert d["per_layer_config"] == {"1": {"head_dim": 64}}
+    assert meta_params(cfg) < 2_000_000
+
+
+def test_default_configs_with_special_floats_and_implied_head_sizes_load(tmp_path):
+    """transformers' default configs as `save_pretrained` writes them: Falcon-H1's time_step_limit (0, inf) is
+    written {"__float__": "Infinity"} by transformers 5.2x (read back as a float, as transformers does);
+    Nemotron's leaves num_key_value_heads None, Hunyuan's and Ministral's head_dim (the modelling code reads
+    them as they are: heads, and hidden / heads).  Issue 38: exit 3 and "cannot build"."""
+    import math
+
+    from transformers import AutoConfig
+
+    for model_type in ("falcon_h1", "nemotron", "hunyuan_v1_dense", "ministral"):
+        AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
+        c = load_model(str(tmp_path / model_type), meta=True, log=_quiet).config
+        assert c.num_key_value_heads and vars(c).get("head_dim", 1), model_type
+    assert math.isinf(load_model(str(tmp_path / "falcon_h1"), meta=True, log=_quiet).config.time_step_limit[1])
+    bad = json.loads((tmp_path / "falcon_h1" / "config.json").read_text())
+    bad["rms_norm_eps"] = {"__float__": "NaN"}      # decoded, then refused by the config check
+    (tmp_path / "falcon_h1" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ModelLoadError):
+        load_model(str(tmp_path / "falcon_h1"), meta=True, log=_quiet)
+
+
 # hybrid families with a Mamba-2 mixer: (model_type, the config key of the mixer's width or None: expand x hidden)
 MAMBA = [("bamba", None), ("falcon_h1", "mamba_d_ssm"), ("granitemoehybrid", None)]
 

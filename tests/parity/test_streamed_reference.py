@@ -115,14 +115,14 @@ def test_streamed_catches_a_broken_kernel(mutation, mutate):  # noqa: F811
 def test_layers_option_cuts_the_model_and_says_so():
     report = patchdsl.verify(NORMS, tiny_qwen3(layers=3), dtype="fp32", batch=1, seq=8, device=DEVICE, layers=1)
     assert report.passed
-    assert report.layers == {"used": 1, "of": 3}
+    assert {k: report.layers[k] for k in ("used", "of", "kept")} == {"used": 1, "of": 3, "kept": [0]}
     assert {s["path"] for s in report.sites} == {"model.layers.0.input_layernorm",
                                                  "model.layers.0.post_attention_layernorm", "model.norm"}
-    assert report.verdict.endswith("[first 1 of 3 decoder layers only]")
+    assert report.verdict.endswith("[decoder layers 0 of 3 only]")
     js = report.to_json()
-    assert js["layers"] == {"used": 1, "of": 3}
+    assert js["layers"]["used"] == 1 and js["layers"]["of"] == 3
     full = patchdsl.verify(NORMS, tiny_qwen3(layers=1), dtype="fp32", batch=1, seq=8, device=DEVICE, layers=5)
-    assert full.layers == {"used": 1, "of": 1} and "decoder layers only" not in full.verdict
+    assert full.layers["used"] == full.layers["of"] == 1 and "decoder layers" not in full.verdict
     with pytest.raises(ValueError):
         patchdsl.verify(NORMS, tiny_qwen3(layers=1), device=DEVICE, layers=0)
 
@@ -184,4 +184,4 @@ def test_cli_layers_and_reference(tmp_path):
                                   "--batch", "1", "--layers", "1", "--reference", "streamed", "--json"])
     assert r.exit_code == 0, r.output
     js = json.loads(r.output[r.output.index("{"):])
-    assert js["passed"] and js["layers"] == {"used": 1, "of": 2} and js["reference"]["mode"] == "streamed"
+    assert js["passed"] and js["layers"]["used"] == 1 and js["layers"]["of"] == 2 and js["reference"]["mode"] == "streamed"

@@ -162,6 +162,19 @@ def test_nan_in_patched_output_fails(monkeypatch):
     assert js["passed"] is False
 
 
+def test_a_value_in_another_dtype_than_the_unpatched_models_fails():
+    """verify judges every site output, gradient and end-to-end value by its dtype too (one place for every op):
+    a patched value in float32 where the unpatched bf16 model gives bf16 fails even where it is closer."""
+    from patchdsl.parity.inputs import _check
+
+    ref = torch.randn(256, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tol = tolerance_for("bf16")
+    same = _check("site", "model.norm", "fused_rmsnorm", "output", ref.bfloat16(), ref.bfloat16(), ref, tol)
+    other = _check("site", "model.norm", "fused_rmsnorm", "output", ref.float(), ref.bfloat16(), ref, tol)
+    assert same.passed and not other.passed
+    assert "dtype float32 where the unpatched model gives bfloat16" in other.note
+
+
 # ---------------------------------------------------------------- report format
 def test_report_json_and_table():
     report = patchdsl.verify(NORMS, tiny_qwen3(layers=1), dtype="bf16", batch=1, seq=8, steps=1, device=DEVICE)

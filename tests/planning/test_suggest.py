@@ -269,6 +269,23 @@ def test_cli_suggest_on_deepseek_v3_s_default_config_checks_and_verifies(tmp_pat
     assert "fused_router" in r.output and "top_k_index" in r.output
 
 
+def test_cli_suggest_leaves_out_vision_rules_verify_cannot_feed(tmp_path):
+    """Issue 38: transformers' default Qwen2-VL config (its vision merger projects to 3584 wide, its language
+    model is 8192 wide) runs no image batch; suggest kept the vision tower's rules because its tiny model was
+    not tried (the tower's embed_dim was not shrunk), and verify of the suggestion FAILED on vision sites that
+    never ran.  Now the rules are left out with the reason, and the language model's are written."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2_vl").save_pretrained(tmp_path / "q")
+    out = tmp_path / "s.kpatch"
+    r = CliRunner().invoke(main, ["suggest", "--model", str(tmp_path / "q"), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    rules = [ln for ln in text.splitlines() if ln and not ln.startswith("#") and ":" in ln]
+    assert rules and not any("visual" in ln for ln in rules), rules
+    assert "no image batch runs on this model" in text
+
+
 def test_cli_suggest_bad_model_is_exit_2():
     r = CliRunner().invoke(main, ["suggest", "--model", "no/such-model-here"])
     assert r.exit_code == 2 and "Traceback" not in r.output

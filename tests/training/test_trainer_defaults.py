@@ -4,34 +4,10 @@ the Trainer's own in-place ``loss *= ...`` scaling, so every shipped spec crashe
 import pytest
 import torch
 
-from patchdsl.util.resources import specs_dir
-
-from ..families import FAMILIES, tiny_model
-from ..moe_families import MOE_FAMILIES, tiny_moe_model
-from ..kernels.helpers import tiny_family as family_model
-from ..model_families.test_family_specs import FAMILY_SPECS
-from ..model_families.test_vision_language import VLM_SPECS, vlm_model
+from ..families import tiny_model
+from ..shipped_specs import BUILDERS, SHIPPED
 
 pytest.importorskip("accelerate")
-
-
-def _builders() -> dict:
-    """Shipped spec name -> a zero-argument builder of a tiny model of its family."""
-    out = {f: (lambda f=f: tiny_model(f)) for f in FAMILIES}
-    out.update({spec: (lambda f=f: tiny_moe_model(f)) for f, (_, _, spec) in MOE_FAMILIES.items() if spec})
-    out.update({spec: (lambda t=t: family_model(t)) for spec, t in FAMILY_SPECS.items()})
-    # the multimodal specs on their ...ForConditionalGeneration (gemma3 keeps its text model above: the
-    # spec covers both, and tests/model_families/test_vision_language.py runs it on the multimodal one)
-    out.update({spec: (lambda t=t: vlm_model(t)) for spec, t in VLM_SPECS.items() if spec not in out})
-    return out
-
-
-BUILDERS = _builders()
-SHIPPED = sorted(p.stem for p in specs_dir().glob("*.kpatch"))
-
-
-def test_every_shipped_spec_has_a_tiny_model_here():
-    assert not set(SHIPPED) - set(BUILDERS), f"give these shipped specs a tiny model: {set(SHIPPED) - set(BUILDERS)}"
 
 
 @pytest.mark.parametrize("spec", SHIPPED)

@@ -100,6 +100,20 @@ def analyse(cls: type) -> "AttentionAnalysis | str":
     return read_once(_analysis_cache, cls, _analyse, "analyse")
 
 
+def no_rope_call_reason(name: str, src: str) -> str:
+    """Why an attention forward whose source ``src`` never calls ``apply_rotary_pos_emb(`` has no RoPE call to
+    fuse: it applies its rotary embedding with another function (Llama 4's ``apply_rotary_emb`` on complex
+    ``freqs_cis``), or it has none."""
+    import re
+
+    other = sorted({m for m in re.findall(r"\b(\w*(?:rotary|rope)\w*)\(", src, flags=re.I)
+                    if m != "apply_rotary_pos_emb" and not m[0].isupper()})
+    if other:
+        return (f"{name}.forward applies its rotary embedding with {other[0]}(...), not apply_rotary_pos_emb(q, k, "
+                f"cos, sin), the call fused_rope replaces")
+    return f"{name}.forward does not call apply_rotary_pos_emb( (no rotary embedding to fuse)"
+
+
 def _analyse(cls: type) -> "AttentionAnalysis | str":
     fwd = getattr(cls, "forward", None)
     if fwd is None:
@@ -114,7 +128,7 @@ def _analyse(cls: type) -> "AttentionAnalysis | str":
         return f"{cls.__name__}.forward is not a plain function"
     name = cls.__name__
     if "apply_rotary_pos_emb(" not in src:
-        return f"{name}.forward does not call apply_rotary_pos_emb( (no rotary embedding to fuse)"
+        return no_rope_call_reason(name, src)
 
     a = fn.args
     pos = [x.arg for x in a.posonlyargs + a.args]

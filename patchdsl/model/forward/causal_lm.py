@@ -13,7 +13,8 @@ from typing import Any, Mapping
 from ..info import ModuleInfo
 from ..modules import linear_like, unwrap
 from .logits import resolve_multiplier, resolve_scaling, resolve_softcap, transforms_logits
-from .router_loss import MOE_CONFIG_ATTRS, MOE_SELF_ATTRS, _is_aux_term, read_router_flag, read_router_loss
+from .router_loss import (MOE_CONFIG_ATTRS, MOE_SELF_ATTRS, MOE_TEXT_CONFIG_READS, _is_aux_term, read_router_flag,
+                          read_router_loss, router_config)
 from .values import read_value
 
 # What the patched forward may see the original forward read from ``self`` / ``self.config``.
@@ -147,6 +148,7 @@ class ForwardShape:
         # the router-logits flag as the forward resolves it (the call's, else the config's, and-ed with
         # config flags: Doge's `and self.config.is_moe`), passed to the body; None: not resolved there
         self.router_flag = read_router_flag(tree.body[0])
+        self.router_config = router_config(tree.body[0])     # self.config, or a VL MoE's self.config.text_config
         # whether the forward passes that flag on to the body (True) or only reads it for its aux loss
         # (transformers 5.17's Doge: resolved, then the body called without it); set by _analyse
         self.router_flag_to_body = True
@@ -185,11 +187,12 @@ class ForwardShape:
             if node in ignored:
                 continue
             if (isinstance(node, ast.Attribute) and _src(node) in ("self.config.text_config", "self.config.get_text_config")):
+                reads = TEXT_CONFIG_READS | (MOE_TEXT_CONFIG_READS if self.aux or self.router_flag is not None else set())
                 outer = parents.get(node)
-                while isinstance(outer, (ast.Attribute, ast.Call)) and _src(outer) not in TEXT_CONFIG_READS \
-                        and any(r.startswith(_src(outer)) for r in TEXT_CONFIG_READS):
+                while isinstance(outer, (ast.Attribute, ast.Call)) and _src(outer) not in reads \
+                        and any(r.startswith(_src(outer)) for r in reads):
                     outer = parents.get(outer)
-                if outer is None or _src(outer) not in TEXT_CONFIG_READS:
+                if outer is None or _src(outer) not in reads:
                     what = _src(outer) if isinstance(outer, (ast.Attribute, ast.Call)) else _src(node)
                     return f"{name}.forward reads {what.replace('self.', '', 1)}, which the fused loss does not reproduce"
                 continue

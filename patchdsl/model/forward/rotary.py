@@ -108,13 +108,32 @@ def _run(fn: Callable, d: int, r: int, seed: int):
             and torch.allclose(out[1].float(), rotate(k, c, s, lay), rtol=1e-5, atol=1e-5)]
 
 
+def _out_dtype(fn: Callable) -> str:
+    """What dtype the function returns for bf16 q/k and float32 cos/sin: ``"input"`` when it casts the
+    result back to q's / k's dtype (OLMo 2/3: their rotary embedding keeps cos/sin in float32 and the
+    function ends in ``.to(q_type)``), ``"promote"`` when it returns torch's promotion of the arithmetic
+    (Llama: its rotary embedding casts cos/sin to the activations' dtype, so the two differ only under
+    autocast, where cos/sin stay float32 and q/k come out float32 as well)."""
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 3, 8, generator=g).bfloat16()
+    ang = torch.randn(1, 3, 8, generator=g)
+    try:
+        with torch.no_grad():
+            out = fn(q, q.clone(), ang.cos(), ang.sin())
+    except Exception:  # noqa: BLE001 - refuses mixed dtypes: the arithmetic's dtype (as the kernel computes)
+        return "promote"
+    return "input" if out[0].dtype == q.dtype and out[1].dtype == q.dtype else "promote"
+
+
 def _probe_layout(fn: Callable) -> dict | None:
     full = _run(fn, 8, 8, 0)
     if not full:
         return None
     layout = full[0]
     part = _run(fn, 12, 8, 1)
-    return {"layout": layout, "partial": bool(part and layout in part)}
+    return {"layout": layout, "partial": bool(part and layout in part), "out_dtype": _out_dtype(fn)}
 
 
 # ---- the Attention kind's projection names and rotary facts -------------------------------------------
@@ -244,6 +263,7 @@ def attention_facts(m: Any, rmsnorm: Callable, linear_like: Callable) -> dict | 
     facts["rotary_dim"] = int(int(head_dim) * float(prf if prf is not None else 1.0))
     if lay is not None:
         facts["rotary_layout"] = lay["layout"]
+        facts["rotary_out_dtype"] = lay["out_dtype"]
         facts["rope_input"] = rope_call_input(type(m))
     if out_name != "o_proj":
         facts["out_proj"] = out_name

@@ -23,7 +23,17 @@ from .values import read_value
 MOE_SELF_ATTRS = {"router_aux_loss_coef", "num_experts", "num_experts_per_tok"}
 MOE_CONFIG_ATTRS = {"output_router_logits"}
 _AUX_ARGS = {"self.num_experts", "self.num_experts_per_tok", "attention_mask", "self.config.num_experts",
-             "self.config.num_local_experts", "self.config.num_experts_per_tok"}
+             "self.config.num_local_experts", "self.config.num_experts_per_tok",
+             # a vision-language MoE (Qwen3-VL-MoE, GLM-4.5V): its language model's config
+             "self.config.text_config.num_experts", "self.config.text_config.num_local_experts",
+             "self.config.text_config.num_experts_per_tok"}
+# where a forward reads its router-loss flag and coefficient: the model's own config, or (a vision-language
+# MoE) its text config; every read of the text config's a fused forward may replay
+ROUTER_CONFIGS = ("self.config", "self.config.text_config")
+COEFFICIENTS = ("self.router_aux_loss_coef", "self.config.text_config.router_aux_loss_coef")
+MOE_TEXT_CONFIG_READS = {"self.config.text_config.output_router_logits",
+                         "self.config.text_config.router_aux_loss_coef"} | {
+    a for a in _AUX_ARGS if a.startswith("self.config.text_config.")}
 # pure functions an argument may apply to those (Doge: math.floor(math.sqrt(self.num_experts)))
 _AUX_FUNCS = {"math.floor", "math.sqrt", "math.ceil", "int"}
 
@@ -41,15 +51,16 @@ def read_router_flag(fn: ast.AST) -> list[str] | None:
     ``output_router_logits if output_router_logits is not None else self.config.output_router_logits``
     (``[]``, or ``["is_moe"]`` for Doge's ``(...) and self.config.is_moe``); None when it does not
     (then any read of config.output_router_logits refuses the site, naming it)."""
-    std = "output_router_logits if output_router_logits is not None else self.config.output_router_logits"
     for n in ast.walk(fn):
         if not (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
                 and n.targets[0].id == "output_router_logits"):
             continue
         v = n.value
-        if ast.unparse(v) == std:
+        stds = [f"output_router_logits if output_router_logits is not None else {c}.output_router_logits"
+                for c in ROUTER_CONFIGS]
+        if ast.unparse(v) in stds:
             return []
-        if isinstance(v, ast.BoolOp) and isinstance(v.op, ast.And) and ast.unparse(v.values[0]) == std:
+        if isinstance(v, ast.BoolOp) and isinstance(v.op, ast.And) and ast.unparse(v.values[0]) == stds[0]:
             ands = []
             for x in v.values[1:]:
                 if not (isinstance(x, ast.Attribute) and ast.unparse(x.value) == "self.config"):
@@ -58,6 +69,13 @@ def read_router_flag(fn: ast.AST) -> list[str] | None:
             return ands
         return None
     return None
+
+
+def router_config(fn: ast.AST) -> str:
+    """Where ``fn`` reads ``output_router_logits`` from: ``self.config``, or ``self.config.text_config`` (a
+    vision-language MoE's forward)."""
+    src = ast.unparse(fn)
+    return ROUTER_CONFIGS[1] if f"{ROUTER_CONFIGS[1]}.output_router_logits" in src else ROUTER_CONFIGS[0]
 
 
 def read_router_loss(fn: ast.AST, globals_: Mapping[str, Any], name: str) -> tuple[dict | None, str | None]:
@@ -86,15 +104,16 @@ def read_router_loss(fn: ast.AST, globals_: Mapping[str, Any], name: str) -> tup
             and n.target.id == "loss"]
     if len(adds) != 1 or not _is_aux_term(adds[0], var):
         return None, f"{name}.forward adds its router loss {var} to the loss in a way the fused loss does not replay"
-    return {"func": func, "args": args, "var": var}, None
+    return {"func": func, "args": args, "var": var, "coef": ast.unparse(adds[0].value.left)}, None
 
 
 def _is_aux_term(n: ast.AugAssign, var: str) -> bool:
-    """``loss += self.router_aux_loss_coef * <var>`` (a ``.to(...)`` on ``var`` allowed)."""
+    """``loss += self.router_aux_loss_coef * <var>`` (or ``self.config.text_config.router_aux_loss_coef``; a
+    ``.to(...)`` on ``var`` allowed)."""
     v = n.value
     if not isinstance(n.op, ast.Add) or not isinstance(v, ast.BinOp) or not isinstance(v.op, ast.Mult):
         return False
-    if ast.unparse(v.left) != "self.router_aux_loss_coef":
+    if ast.unparse(v.left) not in COEFFICIENTS:
         return False
     r = v.right
     if isinstance(r, ast.Call) and isinstance(r.func, ast.Attribute) and r.func.attr == "to":

@@ -63,7 +63,7 @@ def resolve_router_flag(self: Any, shape: ForwardShape, a: dict, extra: dict) ->
     where = a if "output_router_logits" in a or "output_router_logits" in shape.sig.parameters else extra
     v = where.get("output_router_logits")
     if v is None:
-        v = self.config.output_router_logits
+        v = read_value(self, getattr(shape, "router_config", "self.config") + ".output_router_logits")
     for name in shape.router_flag or ():      # Doge: (...) and self.config.is_moe
         v = v and getattr(self.config, name)
     if not shape.router_flag_to_body:
@@ -82,7 +82,8 @@ def add_router_loss(self: Any, shape: ForwardShape, outputs: Any, a: Mapping[str
     if aux_loss is None:
         return loss
     rest["aux_loss"] = aux_loss
-    return loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    coef = read_value(self, shape.aux.get("coef", "self.router_aux_loss_coef"))
+    return loss + coef * aux_loss.to(loss.device)
 
 
 def slice_hidden(hidden: Any, logits_to_keep: Any) -> Any:
