@@ -4,6 +4,9 @@
     python examples/train_sft.py examples/train_sft.yaml --max_steps 4   # command-line overrides
     python examples/train_sft.py --kpatch_spec qwen3 --max_steps 4       # no YAML at all
 
+The Trainer writes into --output_dir, by default a folder in the system's temporary folder
+(``$TMPDIR/patchdsl-train_sft``), not into the current folder.
+
 Everything runs offline on a CPU in a couple of minutes (the kernels run in Triton's interpreter
 there; on a GPU they are compiled): the model is Qwen3's architecture from the config shipped with
 patchdsl, shrunk to 2 layers and a 256-token (byte) vocabulary, with random weights; the data is
@@ -11,8 +14,10 @@ synthetic text, tokenised as bytes.  The patchdsl part is the four marked lines.
 """
 
 import math
+import os
 import random
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -59,9 +64,16 @@ def tiny_qwen3(name: str, layers: int):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
-def parse():
+# where the Trainer writes (checkpoints, logs) unless --output_dir or the YAML says otherwise: a folder in
+# the system's temporary folder, never the checkout or the current folder (transformers' own default is
+# ./trainer_output)
+DEFAULT_OUTPUT_DIR = os.path.join(tempfile.gettempdir(), "patchdsl-train_sft")
+
+
+def parse(argv=None):
     parser = HfArgumentParser((TrainingArguments, patchdsl.PatchdslArguments, ScriptArguments))  # patchdsl (2/4)
-    argv = sys.argv[1:]
+    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR)
+    argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0].endswith((".yaml", ".yml")):
         import yaml
 
@@ -78,6 +90,7 @@ def main() -> None:
     n_eval = script.eval_blocks
     train, evaluation = blocks[n_eval:], blocks[:n_eval]
     model = tiny_qwen3(script.model_config, script.layers)
+    print(f"outputs (checkpoints, logs): {training_args.output_dir}")
     print(f"model: tiny {model.config.model_type}, {model.config.num_hidden_layers} layers, hidden "
           f"{model.config.hidden_size}, vocab {model.config.vocab_size}; data: {len(train)} train / {n_eval} eval "
           f"blocks of {script.seq_len} bytes")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -21,6 +22,7 @@ EXIT_OK = 0            # the command did what was asked
 EXIT_FAILED = 1        # verify / apply: a comparison against the float64 reference failed
 EXIT_BAD_INPUT = 2     # the input is unusable: spec, model, options, files, or a required site refused
 EXIT_INTERNAL = 3      # an unexpected exception: a bug of patchdsl (PATCHDSL_DEBUG=1 re-raises it)
+EXIT_PIPE_CLOSED = 141  # stdout closed by its reader (`| head`): 128 + SIGPIPE, as a shell reports any tool so ended
 
 
 class UsageFailure(Exception):
@@ -67,8 +69,89 @@ def _fail(msg: str, code: int = EXIT_BAD_INPUT) -> None:
     sys.exit(code)
 
 
+def _stdout_closed() -> None:
+    """The reader of stdout went away (``patchdsl plan ... | head -1``): stop quietly, as any Unix tool
+    does, with status 141 (128 + SIGPIPE).  What is still buffered for stdout goes to /dev/null, so
+    that Python's flush at exit does not complain about the closed pipe either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):     # not a real file (click's test runner): nothing to flush
+        pass
+    sys.exit(EXIT_PIPE_CLOSED)
+
+
+def _pipe_closed(e: BaseException) -> bool:
+    return isinstance(e, BrokenPipeError) or (isinstance(e, OSError) and e.errno == errno.EPIPE)
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        if not _pipe_closed(e):
+            raise
+        _stdout_closed()
+    except ValueError:        # stdout already closed by the command: nothing left to write
+        pass
+
+
+# the exceptions of later stages that are bad input, not bugs: (module, class).  Looked up only when their
+# module is loaded (an exception of a module never imported cannot be one), so that an error -- or `--help`,
+# which click ends with an exception -- never imports torch just to be told apart
+_INPUT_ERRORS = (("patchdsl.codegen.cache", "CacheError"), ("patchdsl.codegen.render", "CodegenError"),
+                 ("patchdsl.planning.plan_file", "PlanError"), ("patchdsl.runtime.patch", "PatchError"))
+
+
+def _is_input_error(e: BaseException) -> bool:
+    for mod, name in _INPUT_ERRORS:
+        cls = getattr(sys.modules.get(mod), name, None)
+        if cls is not None and isinstance(e, cls):
+            return True
+    return False
+
+
 class _Group(click.Group):
+    """The one place every command passes through: errors become messages and exit codes, a closed stdout
+    a quiet exit, ``--help`` lists the shipped specs as they are in specs/."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        finally:
+            _flush_stdout()          # output still buffered meets a closed pipe here, not at interpreter exit
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except OSError as e:         # `patchdsl --help | head -1`: click writes the help while parsing
+            if not _pipe_closed(e):
+                raise
+            _stdout_closed()
+
+    def format_help_text(self, ctx, formatter):
+        from ..syntax.includes import shipped_names
+
+        text = (self.help or "").replace("{shipped_specs}", ", ".join(shipped_names()) or "none found")
+        saved, self.help = self.help, text
+        try:
+            super().format_help_text(ctx, formatter)
+        finally:
+            self.help = saved
+
     def invoke(self, ctx):
+        try:
+            try:
+                return self._invoke(ctx)
+            finally:
+                _flush_stdout()
+        except OSError as e:
+            if not _pipe_closed(e):
+                raise
+            _stdout_closed()
+
+    def _invoke(self, ctx):
         def fail(message: str, kind: str, code: int = EXIT_BAD_INPUT) -> None:
             _json_error(ctx, message, code, kind)
             click.echo(message, err=True)
@@ -92,16 +175,14 @@ class _Group(click.Group):
         except (KeyboardInterrupt, click.Abort):
             fail("interrupted", "interrupted", EXIT_INTERRUPTED)
         except Exception as e:
-            # bad data that is not a spec error: a plan file, an unusable kernel cache, a value
-            # that cannot go into generated code, a model the plan does not fit
-            from ..codegen import CacheError, CodegenError
-            from ..planning.plan_file import PlanError
-            from ..runtime import PatchError
-
-            if isinstance(e, (CacheError, CodegenError, PlanError, PatchError)):
-                fail(f"error: {e}", "input")
             if isinstance(e, (click.ClickException, click.exceptions.Exit, click.exceptions.Abort)):
                 raise
+            if _pipe_closed(e):              # handled by invoke: a quiet exit
+                raise
+            # bad data that is not a spec error: a plan file, an unusable kernel cache, a value
+            # that cannot go into generated code, a model the plan does not fit
+            if _is_input_error(e):
+                fail(f"error: {e}", "input")
             if os.environ.get("PATCHDSL_DEBUG"):
                 raise
             # anything else is a bug of patchdsl, not the user's input or a failed verification:
@@ -122,10 +203,11 @@ def main() -> None:
     """Declarative fused Triton kernels for Hugging Face transformers models.
 
     SPEC, wherever a command takes one, is a path to a .kpatch file or the name of a shipped spec
-    (qwen3, llama, mistral, qwen2, gemma3, phi3).  --json, wherever a command takes it, prints one
+    ({shipped_specs}).  --json, wherever a command takes it, prints one
     JSON document on stdout (on an error too: {"ok": false, "exit_code": 2, "error": ...}).
     Exit status: 0 success, 1 a verification failed, 2 bad input (spec, model, options),
-    3 an internal error (a bug of patchdsl), 130 interrupted (Ctrl-C).
+    3 an internal error (a bug of patchdsl), 130 interrupted (Ctrl-C), 141 stdout closed by its
+    reader (`| head`).
     """
 
 
@@ -165,7 +247,19 @@ def json_option(f):
                         help="Print one JSON document on stdout (an error document on failure).")(f)
 
 
-DTYPE_CHOICE = click.Choice(list(DTYPES))
+class _DtypeChoice(click.Choice):
+    """fp32, bf16 or fp16; any other name is refused with :func:`patchdsl.util.vocab.dtype_hint` (fp8: the op)."""
+
+    def convert(self, value, param, ctx):
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as e:
+            from ..util.vocab import dtype_hint
+
+            self.fail(f"{e.message}\n  hint: {dtype_hint(value)}", param, ctx)
+
+
+DTYPE_CHOICE = _DtypeChoice(list(DTYPES))
 TARGET_CHOICE = click.Choice(list(TARGETS))
 
 

@@ -160,11 +160,23 @@ def translate(liger: str | None, kernel_mapping: str | None, model: str | None, 
 
     use, cfg = parse_liger_argument(liger)
     loaded = _load_model(model, meta=True, log=lambda m: None)
-    t = translate_liger(cfg, build_index(loaded.model), use_liger_kernel=use,
-                        text_model_type=text_model_type_of(loaded.model))
+    index = build_index(loaded.model)
+    text_type = text_model_type_of(loaded.model)
+    t = translate_liger(cfg, index, use_liger_kernel=use, text_model_type=text_type)
     if t.problems:
-        raise UsageFailure("\nerror: ".join(t.problems) + "\nhint: turn those keys off (false) in the Liger config, "
-                           "or follow the 'use ...' above; patchdsl does not drop them silently")
+        # the hint is a command that works: the same keys with those that fit nothing off (or swapped for
+        # the key their error names), tried here first; patchdsl does not drop keys silently
+        from ..interop.liger import fitting_config
+
+        import shlex
+
+        fixed = fitting_config(t, index, text_type)
+        changed = ", ".join([f"{k} off" for k, _ in t.misfits] + [f"{i} on" for _, i in t.misfits if i])
+        hint = (f"hint: patchdsl translate --liger {shlex.quote(json.dumps(fixed))} --model {shlex.quote(model)} "
+                f"translates the keys that fit this model ({changed})"
+                if fixed is not None else f"hint: nothing of this Liger config fits {type(loaded.model).__name__}; "
+                f"`patchdsl suggest --model {model}` writes the spec that patches what patchdsl can")
+        raise UsageFailure("\nerror: ".join(t.problems) + "\n" + hint)
     emit(t.text)
 
 

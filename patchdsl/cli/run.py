@@ -47,6 +47,7 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     from ..planning.planner import plan as make_plan
     from ..training.workload import Workload, measured_steps, side_by_side
 
+    t_start = time.perf_counter()
     console = _console(stderr=as_json)        # with --json, stdout carries the document only
 
     def say(line: str = "") -> None:
@@ -61,6 +62,24 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     d = Workload.default(device)
     w = Workload(steps or d.steps, batch or d.batch, seq or d.seq, lr, seed, d.warmup)
     sp = _read_spec(spec)
+
+    def stage(what: str) -> None:         # progress on stderr, with the time since apply started
+        click.echo(f"[apply {time.perf_counter() - t_start:7.1f}s] {what}", err=True)
+
+    if not tiny:
+        # at full size: say what it will take and refuse at once when that does not fit (not minutes later)
+        from ..model.memory import MemoryTooSmall, check_fits
+        from ..training.workload import memory_need
+
+        meta_model = _load_model(model, meta=True, dtype=dtype, log=lambda m: None).model
+        need, how = memory_need(meta_model, dtype, w, device)
+        del meta_model
+        try:
+            stage(check_fits(need, device, f"apply at full size ({how}, batch {w.batch} x {w.seq}, {dtype})",
+                             hint="--tiny (the default on a CPU) trains a tiny model of the same architecture"))
+        except MemoryTooSmall as e:
+            raise UsageFailure(str(e)) from None
+    stage("building the model")
     torch.manual_seed(seed)
     loaded = _load_model(model, meta=False, dtype=dtype, device=device, tiny=tiny, seed=seed)
     if tiny:
@@ -68,8 +87,10 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
         say(f"CPU workload: tiny {loaded.model.config.model_type} architecture "
             f"(hidden {tc.hidden_size}, {tc.num_hidden_layers} layers); "
             f"pass --full for the real sizes")
+    stage("planning")
     p = make_plan(sp, loaded.model, dtypes=(dtype,))
     print_plan(p, err=as_json)
+    stage(f"generating {len(p.kernel_keys())} kernel(s)")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as prog:
         kt = prog.add_task("generating kernels", total=len(p.kernel_keys()))
@@ -96,10 +117,40 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
                     prog.advance(t, counted)
             return advance
 
-        run = side_by_side(loaded.model, p, w, dtype=dtype, device=device, seed=seed, progress_factory=bar)
+        run = side_by_side(loaded.model, p, w, dtype=dtype, device=device, seed=seed, progress_factory=bar,
+                           stage=stage)
     ref, pat, handle = run.unpatched, run.patched, run.handle
+    total_s = time.perf_counter() - t_start
     for r in handle.refused:
         say(click.style(str(r), fg="yellow"))
+    if not run.trained:
+        say("not trained: the parity verdict below failed before training, so neither run was started "
+            "(`patchdsl verify SPEC --model M` shows every check)")
+    else:
+        _print_runs(say, w, dtype, device, ref, pat, on_gpu)
+    totals, fused, parity = run.totals, run.fused, run.parity
+    if run.trained:
+        say(f"patched {len(handle.patched)} site(s)" + (f" (+{fused} module(s) fused into them)" if fused else "")
+            + f", refused {len(handle.refused)}; " + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in totals))
+    say(f"parity: {'passed' if parity['passed'] else 'FAILED'} -- {parity['verdict']}")
+    click.echo(f"apply took {total_s:.1f} s in all", err=True)
+    code = EXIT_BAD_INPUT if run.refused_required else (EXIT_OK if run.passed else EXIT_FAILED)
+    doc = {"ok": code == EXIT_OK, "exit_code": code,
+           "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny, **run.to_json(on_gpu),
+           "total_s": round(total_s, 2)}
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, default=str))
+    if json_out:
+        files.write_text(json_out, json.dumps(doc, indent=2, default=str), what="--json-out")
+    handle.undo()
+    if code != EXIT_OK:
+        sys.exit(code)
+
+
+def _print_runs(say, w, dtype, device, ref, pat, on_gpu) -> None:
+    """apply's loss table (and on a GPU its speed table) of the two runs."""
+    from ..planning import text as plantext
+
     say(f"{w.steps} steps, batch {w.batch} x {w.seq}, {dtype}, {device}")
     rows = [[str(i + 1), f"{a:.5f}", f"{b:.5f}", f"{b - a:+.2e}"] for i, (a, b) in enumerate(zip(ref.losses, pat.losses))]
     for line in plantext.columns(["step", "loss unpatched", "loss patched", "diff"], rows, right=(0, 1, 2, 3)):
@@ -118,20 +169,6 @@ def apply(spec, model, steps, batch, seq, dtype, device, tiny, lr, seed, as_json
     else:
         say("speed: not reported on the CPU (the patched kernels run in Triton's interpreter, so tokens/s and "
             "step times say nothing about them); compare losses here, speed on a GPU")
-    totals, fused, parity = run.totals, run.fused, run.parity
-    say(f"patched {len(handle.patched)} site(s)" + (f" (+{fused} module(s) fused into them)" if fused else "")
-        + f", refused {len(handle.refused)}; " + "; ".join(f"{pt}/{pr} {n}" for n, pt, pr in totals))
-    say(f"parity: {'passed' if parity['passed'] else 'FAILED'} -- {parity['verdict']}")
-    code = EXIT_BAD_INPUT if run.refused_required else (EXIT_OK if run.passed else EXIT_FAILED)
-    doc = {"ok": code == EXIT_OK, "exit_code": code,
-           "spec": spec, "model": model, "device": device, "dtype": dtype, "tiny": tiny, **run.to_json(on_gpu)}
-    if as_json:
-        click.echo(json.dumps(doc, indent=2, default=str))
-    if json_out:
-        files.write_text(json_out, json.dumps(doc, indent=2, default=str), what="--json-out")
-    handle.undo()
-    if code != EXIT_OK:
-        sys.exit(code)
 
 
 # ---------------------------------------------------------------- verify
@@ -198,6 +235,18 @@ def verify(spec, model, dtype, batch, seq, steps, seed, device, tiny, layers, re
                                (build_dtype(meta, dtype, batch, seq, steps, device, reference, layers), device))
     except VerifyError as e:
         raise UsageFailure(str(e)) from None
+    if not tiny and not device.startswith("cuda"):
+        # at full size on the CPU: what it will take, and a refusal now, not minutes of swapping later
+        from ..model.memory import MemoryTooSmall, check_fits
+        from ..parity.stream import cpu_need
+
+        need, how = cpu_need(meta, batch, seq, steps, reference, layers)
+        try:
+            click.echo(check_fits(need, "cpu", f"verify at full size on the CPU ({how})",
+                                  hint="--tiny (the default on a CPU) verifies a tiny model of the same architecture; "
+                                       "--layers N keeps fewer decoder layers"), err=True)
+        except MemoryTooSmall as e:
+            raise UsageFailure(str(e)) from None
     del meta
 
     def factory():

@@ -188,6 +188,7 @@ class LigerTranslation:
     rules: tuple[tuple[str, str], ...]          # (Liger key, rule line), in spec order
     problems: tuple[str, ...] = ()              # keys that are on but fit no module, one line per site
     notes: tuple[str, ...] = field(default=())  # how the keys were resolved
+    misfits: tuple[tuple[str, str | None], ...] = ()   # (key that fits nothing, the key to use instead or None)
 
     @property
     def ok(self) -> bool:
@@ -274,6 +275,7 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
     cls = index.model_class
     rules: list[tuple[str, str]] = []
     problems: list[str] = []
+    misfits: dict[str, str | None] = {}
 
     attn = by_kind.get("Attention", [])
     qk = [p for p in attn if "qk_norm" in index.infos[p].kinds["Attention"]]
@@ -294,6 +296,7 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
                 if by_kind.get("RMSNorm" if kind == "LayerNorm" else "LayerNorm") else ""
             if key in given:
                 problems.append(f"{key}: {cls} has no {kind} module{alt}")
+                misfits[key] = other if alt else None
             else:
                 # on by Liger's default for the model type, for modules this model does not have (Llama 4's
                 # layer_norm is for its vision tower, absent from Llama4ForCausalLM): Liger patches nothing
@@ -302,6 +305,7 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
     if keys["rope"]:
         if not attn:
             problems.append(f"rope: {cls} has no attention module with rotary embeddings that patchdsl recognises")
+            misfits["rope"] = None
         else:
             plain = [p for p in attn if p not in qk or not fuse_qk]
             fused = [p for p in attn if p in qk and fuse_qk]
@@ -334,8 +338,10 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
             where = paths[0] if len(paths) == 1 else f"{len(paths)} modules ({paths[0]}, ...)"
             problems.append(f"{key}: {where} ({mcls}) {'is a' if len(paths) == 1 else 'are'} {other_kind} MLP"
                             f"{'' if len(paths) == 1 else 's'} (activation {act}), not {kind}: use {other_key}")
+            misfits[key] = other_key
         if not others:
             problems.append(f"{key}: {cls} has no gated MLP (gate/up/down projections) that patchdsl recognises")
+            misfits[key] = None
     # relu_squared (Nemotron): the MLP's relu2 activation
     if keys["relu_squared"]:
         pool = [p for p in by_kind.get("MLP", []) if index.infos[p].kinds["MLP"].get("activation") == "relu2"]
@@ -343,6 +349,7 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
             rules.append(("relu_squared", f"{', '.join(_selectors(pool, by_kind['MLP']))}: MLP -> fused_mlp"))
         else:
             problems.append(f"relu_squared: {cls} has no MLP with a relu2 activation that patchdsl recognises")
+            misfits["relu_squared"] = None
     # the loss
     for key, op, flags in (("cross_entropy", "fused_cross_entropy", "ignore_index=-100"),
                            ("fused_linear_cross_entropy", "fused_linear_cross_entropy", "ignore_index=-100, chunk=auto")):
@@ -355,6 +362,7 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
             rules.append((key, f"{', '.join(heads)}: Linear -> {op}({flags})"))
         else:
             problems.append(f"{key}: {cls} has no causal-LM head (self.model + lm_head) for the loss")
+            misfits[key] = None
     if not rules and not problems:
         raise LigerConfigError("every Liger key is off: nothing to translate",
                                hint=f"turn on at least one of {', '.join(LIGER_KEYS)}")
@@ -365,4 +373,23 @@ def translate_liger(config: Mapping[str, Any] | None, index: Any, *, use_liger_k
     width = max((len(r) for _, r in rules), default=0)
     body = [f"{r.ljust(width)}   # {k}" for k, r in rules]
     text = "\n".join(head + body) + "\n" if rules else ""
-    return LigerTranslation(text, tuple(keys.items()), tuple(rules), tuple(problems), tuple(notes))
+    return LigerTranslation(text, tuple(keys.items()), tuple(rules), tuple(problems), tuple(notes),
+                            tuple(misfits.items()))
+
+
+def fitting_config(t: LigerTranslation, index: Any, text_model_type: str | None = None) -> dict[str, bool] | None:
+    """The Liger config closest to ``t``'s that translates on ``index``'s model without a problem: every
+    key that fits nothing off, the key its problem names (``use geglu``) on instead; None when no such
+    config translates to at least one rule.  Hints print it, so that following them works."""
+    if not t.misfits:
+        return None
+    keys = dict(t.keys)
+    for key, instead in t.misfits:
+        keys[key] = False
+        if instead is not None:
+            keys[instead] = True
+    try:
+        fixed = translate_liger(keys, index, text_model_type=text_model_type)
+    except LigerConfigError:
+        return None
+    return keys if fixed.ok else None

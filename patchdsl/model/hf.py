@@ -27,6 +27,8 @@ import json
 import math
 from typing import Any
 
+from .memory import free_memory  # noqa: F401  (the one count of free memory; re-exported)
+
 
 class ModelLoadError(ValueError):
     """The model spec could not be resolved to weights or an architecture."""
@@ -82,21 +84,44 @@ def _check_rope(r: Any, where: str, path: str, depth: int = 0) -> None:
                 raise ModelLoadError(f"{name} must be > 0, got {_shown(v)}")
 
 
+def _switched_off(d: dict, key: str) -> bool:
+    """The config turns the feature of ``key`` off with a flag (``use_sliding_window: false`` leaves
+    ``sliding_window`` unused: Qwen2-MoE's default config holds 0 there), or uses transformers' convention
+    of a 0 for it: an MLA config's ``head_dim`` is its rotary part, 0 when it has none (GLM-5's NoPE
+    attention, ``qk_rope_head_dim: 0``).  Such a value is not a size anything is built with."""
+    if d.get(f"use_{key}") is False:
+        return True
+    return key == "head_dim" and d.get(key) == 0 and d.get("qk_rope_head_dim") == 0
+
+
+def _size_ok(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and 0 < v <= MAX_SIZE
+
+
 def check_config_dict(d: dict, where: str = "config.json") -> None:
     """Refuse sizes that are not positive integers (strings, fractions, negatives, zero, true/false)
     and numbers that are not finite, with the field's name; nested ``*_config`` objects too.  Also
     refused, naming the field: query heads that are not a multiple of the key/value heads, a RoPE
     base (rope_theta, top level or in rope_parameters / rope_scaling) that is not > 0, and sizes
-    above what the kernels take (``KERNEL_LIMITS``)."""
+    above what the kernels take (``KERNEL_LIMITS``).
+
+    The sizes are read by their standard names whatever the family calls them (GPT-2's ``n_head``,
+    through its config class's ``attribute_map``), and named as the file names them.  What transformers
+    itself accepts is not refused: a size per layer (a list of sizes, Gemma-3n's ``intermediate_size``)
+    has each entry checked, and a size whose feature the config switches off (:func:`_switched_off`) is
+    not checked at all."""
     if not isinstance(d.get("model_type"), str):
         raise ModelLoadError(f"{where}: \"model_type\" must be a string")
+    from .config_names import attribute_map, with_standard_names
+
+    d, added = with_standard_names(d, attribute_map(d["model_type"]))
     for k in SIZE_KEYS:
-        if k not in d or d[k] is None:
+        if k not in d or d[k] is None or _switched_off(d, k):
             continue
         v = d[k]
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_SIZE:
-            raise ModelLoadError(f"{where}: \"{k}\" must be a positive integer (at most {MAX_SIZE}), "
-                                 f"got {_shown(v)}")
+        if not (_size_ok(v) or (isinstance(v, list) and v and len(v) <= MAX_SIZE and all(map(_size_ok, v)))):
+            raise ModelLoadError(f"{where}: \"{added.get(k, k)}\" must be a positive integer (at most {MAX_SIZE}) "
+                                 f"or a list of them (one per layer), got {_shown(v)}")
     for k in NUMBER_KEYS:
         if k not in d or d[k] is None:
             continue
@@ -108,16 +133,17 @@ def check_config_dict(d: dict, where: str = "config.json") -> None:
         _check_rope(d.get(k), where, k)
     heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
-        raise ModelLoadError(f"{where}: \"num_attention_heads\" ({heads}) must be a multiple of "
-                             f"\"num_key_value_heads\" ({kv}): each key/value head serves a whole group of query heads")
+        raise ModelLoadError(f"{where}: \"{added.get('num_attention_heads', 'num_attention_heads')}\" ({heads}) must "
+                             f"be a multiple of \"{added.get('num_key_value_heads', 'num_key_value_heads')}\" ({kv}): "
+                             f"each key/value head serves a whole group of query heads")
     head_dim = d.get("head_dim")
-    if head_dim is None and isinstance(heads, int) and isinstance(d.get("hidden_size"), int):
+    if not head_dim and isinstance(heads, int) and isinstance(d.get("hidden_size"), int):
         head_dim = d["hidden_size"] // heads
     sizes = {"head_dim": head_dim, "vocab_size": d.get("vocab_size")}
     for k, limit in KERNEL_LIMITS.items():
         v = sizes[k]
         if isinstance(v, int) and v > limit:
-            field = k if k in d else f"{k} (hidden_size / num_attention_heads)"
+            field = added.get(k, k) if k in d else f"{k} (hidden_size / num_attention_heads)"
             raise ModelLoadError(f"{where}: \"{field}\" is {v:,}, above what patchdsl's kernels take "
                                  f"(at most {limit:,}; docs/reliability.md)")
     for k, v in d.items():
@@ -321,27 +347,6 @@ def model_bytes(cfg, dtype) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
-
-
-def free_memory(device: Any) -> int | None:
-    """Free bytes on ``device`` (CUDA: the driver's count; CPU: MemAvailable), None if unknown."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        try:
-            return int(torch.cuda.mem_get_info(dev)[0])
-        except Exception:
-            return None
-    if dev.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            return None
-    return None
 
 
 def check_fits(cfg, dtype, device: Any, where: str) -> None:

@@ -12,12 +12,15 @@
    one, else the config shipped in ``patchdsl/model/configs/``, else (online only) the Hub's
    ``config.json``.
 
-Whatever happens is said in exactly one line through ``log`` and kept in ``LoadedModel.source``.
+Whatever happens is said in exactly one line through ``log`` and kept in ``LoadedModel.source``;
+a full-size random build of 4 GiB or more says first, in a line of its own, what it builds and the
+memory its weights take against what the device has free; any full-size build is refused at once when
+its weights do not fit.
 ``meta=True`` builds on the meta device (no weights, no memory; for planning) and ``tiny=True``
 shrinks the architecture with ``tiny_config`` (for CPU tests and demos; always random weights).
 
 dtype: ``None`` means the checkpoint's own dtype for loaded weights and the config's dtype
-(``torch_dtype``) for meta and full-size random builds; tiny builds default to float32.
+(``dtype``, read from a config.json's ``torch_dtype`` too) for meta and full-size random builds; tiny builds default to float32.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..util.vocab import DTYPE_ALIASES, DTYPES, TORCH_NAMES
 from .hf import (KERNEL_LIMITS, MAX_SIZE, NUMBER_KEYS, POSITIVE_KEYS, ROPE_KEYS, SIZE_KEYS,  # noqa: F401 (re-exported)
                  ModelLoadError, build_model, check_config_dict, check_fits, config_from_dict,
                  eager_experts_if_misaligned, load_pretrained, one_line, remote_code_note)
-from .shrink import _describe_sizes, _describe_tiny, tiny_config
+from .shrink import _describe_tiny, describe_shrink, tiny_config
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
@@ -91,7 +94,9 @@ def parse_dtype(dtype: Any):
             return "auto"
         if s in _DTYPES:
             return getattr(torch, _DTYPES[s])
-    raise ModelLoadError(f"unknown dtype {dtype!r}: use fp32, bf16 or fp16 (or a torch.dtype)")
+    from ..util.vocab import dtype_hint
+
+    raise ModelLoadError(f"unknown dtype {dtype!r}: {dtype_hint(dtype)} (or a torch.dtype)")
 
 
 def _offline() -> bool:
@@ -151,7 +156,7 @@ def _run_dtype(cfg, dtype, tiny: bool):
     import torch
 
     if dtype is None or dtype == "auto":
-        cd = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        cd = getattr(cfg, "dtype", None)        # transformers 5 reads a config.json's torch_dtype into dtype
         return torch.float32 if tiny or cd is None else parse_dtype(str(cd))
     return dtype
 
@@ -185,7 +190,8 @@ def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_i
         with torch.device("meta"):
             return build_model(cfg, **kw)
     dev = torch.device(device)
-    check_fits(cfg, dtype, "cpu" if tiny else dev, where)
+    # the memory check of a full-size build is load_model's (_full_build_fits / _meta_model_fits: counted on
+    # the meta device, said first when large), before this is called
     torch.manual_seed(seed)
     if tiny or dev.type == "cpu":
         # tiny: initialise on the CPU so that every device starts from the same weights
@@ -195,6 +201,38 @@ def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_i
         torch.cuda.manual_seed_all(seed)
     with dev:
         return build_model(cfg, **kw)
+
+
+SAY_BUILD_BYTES = 4 * 2 ** 30  # a build whose weights take this much (a while to initialise) says so first
+
+
+def _full_build_fits(cfg, dtype, device: str, attn_implementation, where: str) -> str | None:
+    """The line saying what a full-size random build of ``cfg`` takes (its weights, counted on a model
+    built on the meta device, no memory) against the free memory of ``device`` -- None for a build under
+    SAY_BUILD_BYTES, done in moments; ModelLoadError when they do not fit."""
+    try:
+        m = _build(cfg, dtype=dtype, device=device, meta=True, tiny=False, seed=0,
+                   attn_implementation=attn_implementation, where=where)
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, OverflowError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {one_line(e)}") from None
+    return _meta_model_fits(m, device)
+
+
+def _meta_model_fits(m, device: str) -> str | None:
+    """:func:`_full_build_fits` of a model already on the meta device (a model cut to its kept layers)."""
+    from ..util.vocab import dtype_name
+    from .memory import MemoryTooSmall, check_fits, count_params, human_params
+
+    n, dt = count_params(m), next(m.parameters()).dtype
+    try:
+        line = check_fits(n * dt.itemsize, device,
+                          f"building the {m.config.model_type} architecture at its full sizes ({human_params(n)} "
+                          f"parameters in {dtype_name(dt)}, random weights)",
+                          hint="a tiny model of the same architecture fits (--tiny, the default on a CPU; "
+                               "load_model(..., tiny=True))")
+    except MemoryTooSmall as e:
+        raise ModelLoadError(str(e)) from None
+    return line if n * dt.itemsize >= SAY_BUILD_BYTES else None
 
 
 def _materialise(model, device: str, seed: int):
@@ -256,13 +294,26 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         cfg = config_from_dict(cfg_dict, where_)
         cfg._name_or_path = spec_s
         if tiny:
-            full, cfg = cfg, tiny_config(cfg)
+            try:
+                full, cfg = cfg, tiny_config(cfg)
+            except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as e:
+                raise ModelLoadError(f"cannot shrink the {cfg.model_type} architecture from {where} to a tiny one: "
+                                     f"{one_line(e)}; --full builds it at its own sizes") from None
+        # a full-size build: said before it starts (4 GiB or more), refused at once when its weights alone do
+        # not fit -- counted on the meta device, after the cut with layers=N
+        if not meta and not tiny and layers is None:
+            said = _full_build_fits(cfg, dtype, device, attn_implementation, where)
+            if said:
+                log(said)
         note = remote_code_note(cfg_dict) + eager_experts_if_misaligned(cfg)
         try:
             # layers=N: built on the meta device, cut, and only what is kept materialised
             model = _build(cfg, dtype=dtype, device=device, meta=meta or layers is not None, tiny=tiny, seed=seed,
                            attn_implementation=attn_implementation, where=where_)
             if layers is not None and _cut(model, layers) and not meta:
+                said = None if tiny else _meta_model_fits(model, device)
+                if said:
+                    log(said)
                 model = _materialise(model, device, seed)
         except ModelLoadError:
             raise
@@ -270,7 +321,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
             raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {one_line(e)}") \
                 from None
         if tiny:
-            what = f"{_describe_tiny(cfg)}, shrunk from {_describe_sizes(full)} in {where}"
+            what = f"{_describe_tiny(cfg)}, {describe_shrink(full, cfg)} in {where}"
             msg = (f"{spec_s}: {what} on the meta device (no weights)" if meta
                    else f"{spec_s}: {what} with random weights (seed {seed})")
         elif meta:

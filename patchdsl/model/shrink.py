@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from .config_names import attribute_map, with_real_names, with_standard_names
+
 def shrink_composite(cfg, tiny_config):
     """A composite (vision-language) config shrunk: the language tower by ``tiny_config`` (as any
     family), the other towers generically (:func:`_tiny_tower`), multimodal RoPE sections with the
@@ -57,35 +59,10 @@ def _fit_mrope(text) -> None:
     text.rope_parameters = rope
 
 
-class _Shim:
-    """Lets :func:`tiny_config` shrink a config whose sizes go by other names (GPT-2's ``n_embd``):
-    it sees the standard names and hands back the dict it built."""
-
-    def __init__(self, d):
-        self._d = d
-
-    def to_dict(self):
-        return dict(self._d)
-
-    @classmethod
-    def from_dict(cls, d):
-        return cls(d)
-
-
 def shrink_config(cfg, tiny_config):
-    amap = dict(getattr(cfg, "attribute_map", {}) or {})
-    if not amap:
-        return tiny_config(cfg)
-    d = cfg.to_dict()
-    for std, real in amap.items():
-        if real in d and std not in d:
-            d[std] = d[real]
-    out = tiny_config(_Shim(d))._d
-    for std, real in amap.items():
-        if std in out and real in d:
-            out[real] = out.pop(std)
-    new = type(cfg).from_dict(out)
-    return new
+    """``tiny_config(cfg)``: kept for its callers; :func:`tiny_config` reads a family's own size names
+    (GPT-2's ``n_embd``) through the config class's ``attribute_map`` itself."""
+    return tiny_config(cfg)
 
 
 _TOWER_SIZES = (("hidden_size", 64), ("embed_dim", 64), ("intermediate_size", 128), ("num_hidden_layers", 1), ("depth", 1),
@@ -94,11 +71,11 @@ _TOWER_SIZES = (("hidden_size", 64), ("embed_dim", 64), ("intermediate_size", 12
 
 
 def _tiny_tower(c, text, text_hidden0=None):
-    """A vision/audio tower shrunk by its common size names (sizes it does not have are left).  A tower
-    whose own width is ``embed_dim`` and whose ``hidden_size`` is the language model's (Qwen2-VL: its
-    merger projects to the text width) gets the shrunk text width there (``text_hidden0``: the text
-    tower's width before shrinking)."""
-    d = c.to_dict()
+    """A vision/audio tower shrunk by its common size names (sizes it does not have are left; a tower's
+    own names for them through its ``attribute_map``).  A tower whose own width is ``embed_dim`` and whose
+    ``hidden_size`` is the language model's (Qwen2-VL: its merger projects to the text width) gets the
+    shrunk text width there (``text_hidden0``: the text tower's width before shrinking)."""
+    d, added = with_standard_names(c.to_dict(), attribute_map(c))
     layers0 = {k: d[k] for k in ("num_hidden_layers", "depth", "num_layers") if isinstance(d.get(k), int)}
     for k, v in _TOWER_SIZES:
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > v:
@@ -112,13 +89,14 @@ def _tiny_tower(c, text, text_hidden0=None):
     for k in ("out_hidden_size", "projection_dim", "text_hidden_size"):
         if isinstance(d.get(k), int):
             d[k] = text.hidden_size
-    if isinstance(d.get("embed_dim"), int) and text_hidden0 is not None and c.to_dict().get("hidden_size") == text_hidden0:
+    if isinstance(d.get("embed_dim"), int) and text_hidden0 is not None and c.to_dict().get(
+            added.get("hidden_size", "hidden_size")) == text_hidden0:
         d["hidden_size"] = text.hidden_size      # Qwen2-VL: the vision merger's output is the text width
     for k in ("intermediate_layers_indices", "deepstack_visual_indexes", "fullatt_block_indexes"):
         if isinstance(d.get(k), list):
             d[k] = [0]
     d.pop("head_dim", None) if isinstance(d.get("head_dim"), int) else None
-    return type(c).from_dict(d)
+    return type(c).from_dict(with_real_names(d, added))
 
 
 # ---- tiny_config: any family's config shrunk for CPU tests and demos (was in loading.py) -------------
@@ -151,7 +129,8 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
         # a vision-language model: its language tower shrunk as above, the vision tower by its common
         # size names, multimodal RoPE sections with the head size (patchdsl.model.shrink)
         return shrink_composite(config, lambda c: tiny_config(c, layers=layers, vocab=vocab))
-    d = config.to_dict()
+    # the sizes by their standard names, whatever the family calls them (GPT-2: n_embd, n_head, n_layer)
+    d, added = with_standard_names(config.to_dict(), attribute_map(config))
     H0 = int(d["num_attention_heads"])
     KV0 = int(d.get("num_key_value_heads") or H0)
     hidden0 = int(d["hidden_size"])
@@ -262,7 +241,7 @@ def tiny_config(config, *, layers: int = 2, vocab: int = 512):
         elif isinstance(v, int):
             d[k] = remap.get(v, v)
     d.pop("transformers_version", None)
-    new = type(config).from_dict(d)
+    new = type(config).from_dict(with_real_names(d, added))
     new._name_or_path = f"tiny:{getattr(config, '_name_or_path', '') or d.get('model_type')}"
     return new
 
@@ -306,7 +285,7 @@ def _tiny_moe_defaults(d: dict) -> None:
     for k, v in fills.items():
         if d.get(k) is None or (k == "first_k_dense_replace" and no_experts):
             d[k] = v
-            if k == "n_routed_experts":          # its standard names too (the census maps attribute_map's)
+            if k == "n_routed_experts":          # its standard names too (tiny_config reads attribute_map's)
                 for alias in ("num_local_experts", "num_experts"):
                     if alias in d and d[alias] is None:
                         d[alias] = v
@@ -376,9 +355,19 @@ def _describe_tiny(cfg) -> str:
             f"vocab {cfg.vocab_size})")
 
 
-def _describe_sizes(cfg) -> str:
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return f"hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}"
+_SIZES = (("hidden_size", "hidden {}"), ("num_hidden_layers", "{} layers"), ("num_attention_heads", "{} heads"),
+          ("intermediate_size", "intermediate {}"), ("vocab_size", "vocab {}"))
+
+
+def describe_shrink(full, tiny) -> str:
+    """What shrinking ``full`` to ``tiny`` changed, in the sizes a reader knows (language tower of a VLM):
+    ``shrunk from hidden 1024, 28 layers``, naming only the sizes that did change, or ``already tiny (its
+    own sizes)`` when none did -- never "shrunk from hidden 64" to hidden 64."""
+    f = full.get_text_config() if hasattr(full, "get_text_config") else full
+    t = tiny.get_text_config() if hasattr(tiny, "get_text_config") else tiny
+    changed = [fmt.format(getattr(f, k, None)) for k, fmt in _SIZES
+               if getattr(f, k, None) is not None and getattr(f, k, None) != getattr(t, k, None)]
+    return f"shrunk from {', '.join(changed)}" if changed else "already tiny (its own sizes)"
 
 
 # ---------------------------------------------------------------- loading

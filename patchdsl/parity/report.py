@@ -71,12 +71,14 @@ class ParityReport:
     images: dict[str, Any] | None = None  # a vision-language model: {"fed": bool, "batch": how / "reason": why not}
     memory: dict[str, Any] | None = None  # CUDA: {"peak_bytes", "device_total_bytes", "params", "dtype_bytes"}
     seconds: float | None = None
+    nothing_patched: str | None = None    # why the spec patches no site of this model (then nothing ran)
 
     # ---- results -------------------------------------------------------------------
     @property
     def passed(self) -> bool:
         """Every check passed and no site the spec asked for (a rule without '?') was refused."""
-        return bool(self.rows) and all(r.passed for r in self.rows) and not self.refused_required
+        return (bool(self.rows) and all(r.passed for r in self.rows) and not self.refused_required
+                and not self.nothing_patched)
 
     def failures(self) -> list[Check]:
         return [r for r in self.rows if not r.passed]
@@ -92,6 +94,8 @@ class ParityReport:
     @property
     def verdict(self) -> str:
         n_sites = len(self.sites)
+        if self.nothing_patched:
+            return f"FAIL: the spec patches nothing on {self.model_class}: {self.nothing_patched}"
         if not self.rows:
             return "FAIL: nothing was compared"
         if self.passed:

@@ -101,6 +101,19 @@ def _oom_message(e: BaseException, phase: str, device: Any, dtype: str, batch: i
             f"reference {reference}): {first[:200]}.  Try " + ", or ".join(tries) + ".")
 
 
+def _patches_nothing(p: Any) -> str | None:
+    """Why plan ``p`` patches no site (None when it patches one, or sets the attention implementation)."""
+    if p.attention is not None or any(not s.refused for s in p.sites):
+        return None
+    if p.sites:
+        first = p.sites[0]
+        return f"all {len(p.sites)} site(s) refused (first: {first.path or '<model>'}: {first.refused})"
+    if p.unmatched_optional:
+        return (f"every rule is optional and selected nothing ({len(p.unmatched_optional)} rule(s); first: "
+                f"{p.unmatched_optional[0]}); `patchdsl suggest --model M` writes a spec for this model")
+    return "the spec has no rules"
+
+
 def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, target, lr, factor, floor, worst,
             layers, reference, log, phase, images=None) -> ParityReport:
     import time
@@ -132,6 +145,20 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
         record = truncate_layers(base, layers)
         layers_info = record.to_json()
         say(record.describe())
+    # the verdict that needs no run first: a spec that patches nothing here (a spec for another family,
+    # optional rules that select nothing, every site refused) fails now, before any copy or forward
+    # (planned again below once the model is in the run dtype, whose plan is the one applied)
+    p = spec if isinstance(spec, PatchPlan) else make_plan(spec, base, target=target, dtypes=(dtype,))
+    empty = _patches_nothing(p)
+    if empty:
+        say(empty)
+        report = ParityReport(dtype=dtype, device=str(device), target=target, model_class=type(base).__name__,
+                              spec=p.spec, batch=batch, seq=seq, steps=steps, seed=seed, factor=tol.factor,
+                              floor=tol.floor, nothing_patched=empty)
+        report.refused = [str(s.refused) for s in p.sites if s.refused]
+        report.layers = layers_info
+        report.seconds = time.perf_counter() - t_start
+        return report
     p0 = next(base.parameters(), None)
     base_dt = p0.dtype if p0 is not None else dt
     est = estimate(base, dt.itemsize, batch, seq, device,
@@ -170,6 +197,9 @@ def _verify(spec, model_or_factory, dtype, batch, seq, steps, seed, device, targ
     report.refused = [str(r) for r in handle.refused]
     report.refused_required = [str(r) for r in handle.refused_required]
     live = [s for s in p.sites if s.path in handle.patched]
+    if not live and p.attention is None:          # every site refused when applied: no PASS of nothing
+        report.nothing_patched = ("every site was refused when applied"
+                                  + (f" (first: {report.refused[0]})" if report.refused else ""))
     report.sites = [{"path": s.path, "op": s.op, "host": s.host, **({"source": s.source} if s.source else {})}
                     for s in live]
     # ops that are not exact by design (fp8_linear) state their own floor; the end-to-end rows take the

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .hooks import Capture, base_model_of, first_tensor
-from ..model.hf import free_memory
+from ..model.memory import free_memory  # noqa: F401  (re-exported: tests patch it here)
 from ..model.modules import decoder_layers
 from ..util.vocab import DTYPE_BYTES
 from .reference import float64_mode
@@ -481,3 +481,19 @@ def build_dtype(meta_model: Any, dtype: str, batch: int, seq: int, steps: int, d
     est.whole_bytes += 4 * total            # the fp32 model itself, built on the device
     mode, _ = choose(reference, est, steps, decoder_layers(meta_model) is not None)
     return "fp32" if mode == "whole" else dtype
+
+
+def cpu_need(meta_model: Any, batch: int, seq: int, steps: int, reference: str, layers: int | None) -> tuple[int, str]:
+    """(bytes, how) verify at full size on the CPU is estimated to take: the fp32 model it builds and
+    the float64 reference :func:`choose` would pick with the memory there is (``meta_model`` is
+    truncated to ``layers`` first, as :func:`build_dtype` does)."""
+    if layers is not None:
+        truncate_layers(meta_model, layers)
+    total = sum(p.numel() for p in {id(p): p for p in meta_model.parameters()}.values())
+    est = estimate(meta_model, DTYPE_BYTES["fp32"], batch, seq, "cpu", base_on_device=True, steps=steps)
+    try:
+        mode, _ = choose(reference, est, steps, decoder_layers(meta_model) is not None)
+    except VerifyError:
+        mode = "whole"
+    need = 4 * total + (est.whole_bytes if mode == "whole" else est.streamed_bytes)
+    return need, f"the fp32 model and the {mode} float64 reference"

@@ -8,7 +8,7 @@ import re
 
 from lark import Token, Transformer, v_args
 
-from ..util.vocab import DTYPE_ALIASES, DTYPES
+from ..util.vocab import DTYPE_ALIASES, DTYPES, dtype_hint, is_fp8_name
 from .ast import Arg, AttentionDirective, ClassPattern, DefaultDirective, Flag, OpCall, Rule, Selector, Span
 from .errors import SpecError, clip, did_you_mean
 from .selectors import check_selector
@@ -56,7 +56,8 @@ class SpecBuilder(Transformer):
             name = DTYPE_ALIASES.get(str(tok), str(tok))
             if name not in DTYPES:
                 raise SpecError(f"unknown dtype '{tok}'", self.span(tok),
-                                hint=did_you_mean(str(tok), DTYPES) or f"expected one of {', '.join(DTYPES)}")
+                                hint=(None if is_fp8_name(tok) else did_you_mean(str(tok), DTYPES))
+                                or dtype_hint(tok))
             names.append(name)
         return ("dtype", tuple(dict.fromkeys(names)), self.span(meta))
 

@@ -13,10 +13,13 @@ No ``from __future__ import annotations`` here: ``HfArgumentParser`` reads the f
 """
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from ..util.vocab import DTYPES, canonical_dtype
+from ..syntax.errors import SpecError
+from ..syntax.includes import shipped_names
+from ..util.vocab import DTYPES, canonical_dtype, dtype_hint
 
 LOG_LEVELS = ("totals", "sites", "none")
 
@@ -26,7 +29,7 @@ class PatchdslArguments:
     """patchdsl's fields for ``HfArgumentParser`` (command line, YAML, JSON)."""
 
     kpatch_spec: Optional[str] = field(default=None, metadata={
-        "help": "The patchdsl spec: a .kpatch path, a shipped name (qwen3, llama, mistral, qwen2, gemma3, phi3) "
+        "help": f"The patchdsl spec: a .kpatch path, a shipped name ({', '.join(shipped_names())}) "
                 "or spec text. Unset: patchdsl is off (unless kpatch_from_liger)."})
     kpatch_strict: bool = field(default=True, metadata={
         "help": "Stop before the first training step when a site of the spec is refused by the model "
@@ -56,6 +59,20 @@ class PatchdslArguments:
 KPATCH_FIELDS = tuple(f.name for f in dataclasses.fields(PatchdslArguments))
 
 
+class KpatchSpecError(SpecError, SystemExit):
+    """A bad ``kpatch_spec`` in a training script's arguments: the located error is printed to stderr
+    when raised and the script ends with status 2, as argparse ends on a bad argument -- no traceback.
+    Still a :class:`~patchdsl.SpecError` (``except SpecError`` catches it, ``render()`` shows it)."""
+
+    def __init__(self, error: SpecError):
+        SpecError.__init__(self, error.message, error.span, hint=error.hint, notes=error.notes)
+        if len(error.errors) > 1 or error.more:
+            self.errors, self.more = error.errors, error.more
+        self.args = (self.render(),)
+        self.code = 2
+        print(self.render(), file=sys.stderr)
+
+
 def validate_kpatch_fields(args: Any) -> None:
     """Check and normalise the ``kpatch_*`` fields of ``args`` (either dataclass); a bad value is a
     ValueError (or the spec's own SpecError) when the arguments are parsed, not after the model loads."""
@@ -76,7 +93,7 @@ def validate_kpatch_fields(args: Any) -> None:
                 raise ValueError(f"kpatch_dtype: each entry is a dtype name (fp32, bf16, fp16), got {d!r:.80}")
             name = canonical_dtype(d.strip().lower())
             if name not in DTYPES:
-                raise ValueError(f"kpatch_dtype: unknown dtype {d!r}; use fp32, bf16 or fp16")
+                raise ValueError(f"kpatch_dtype: unknown dtype {d!r}; {dtype_hint(d)}")
             if name not in out:
                 out.append(name)
         args.kpatch_dtype = out or None
@@ -96,8 +113,12 @@ def validate_kpatch_fields(args: Any) -> None:
         from ..planning.check import check_spec
         from ..syntax import load_spec
 
-        # a missing file, a syntax error, an unknown op or flag fails here, located (no model needed)
-        check_spec(load_spec(args.kpatch_spec))
+        # a missing file, a syntax error, an unknown op or flag fails here, located (no model needed), and
+        # as a command-line error: the located message, no traceback (KpatchSpecError)
+        try:
+            check_spec(load_spec(args.kpatch_spec))
+        except SpecError as e:
+            raise KpatchSpecError(e) from None
 
 
 def kpatch_enabled(args: Any) -> bool:

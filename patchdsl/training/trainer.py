@@ -319,13 +319,21 @@ def _spec_from_liger(base: Any, opts: KpatchOptions, training_args: Any, liger: 
                                "nor liger_kernel_config",
                                hint="set use_liger_kernel: true (Liger's defaults for the model) or give "
                                     "liger_kernel_config, or use kpatch_spec")
-    t = translate_liger(cfg, build_index(base), use_liger_kernel=use, text_model_type=text_model_type_of(base))
+    index = build_index(base)
+    text_type = text_model_type_of(base)
+    t = translate_liger(cfg, index, use_liger_kernel=use, text_model_type=text_type)
     if t.problems:
         if opts.strict:
+            import json
+
+            from ..interop.liger import fitting_config
+
+            fixed = fitting_config(t, index, text_type)
             raise LigerConfigError("the Liger config asks for kernels that do not fit this model:\n  "
                                    + "\n  ".join(t.problems),
-                                   hint="turn those keys off in liger_kernel_config, or set kpatch_strict: false "
-                                        "to train without them")
+                                   hint=(f"liger_kernel_config: {json.dumps(fixed)} translates what fits this model; "
+                                         if fixed is not None else "turn those keys off in liger_kernel_config; ")
+                                   + "or set kpatch_strict: false to train without them")
         for pr in t.problems:
             log.warning(f"patchdsl: Liger key not applied: {pr}")
         notes.extend(f"Liger key not applied: {pr}" for pr in t.problems)
@@ -346,12 +354,15 @@ def _verify(base: Any, plan: Any, training_args: Any, trl: bool, log: Any) -> No
     finally:
         if stash is not None:
             base.forward = stash
+    # the verdict is what kpatch_verify asked for: shown at transformers' default log level (warning), not
+    # only with --log_level info -- a failure as an error with the report's table before the exit
     if not report.passed:
         from rich.console import Console
 
         report.render_table(Console(stderr=True, highlight=False, width=160))
+        log.error(f"patchdsl verify (kpatch_verify): {report.verdict}; training stops before the first step")
         raise KpatchVerifyFailed(report)
-    log.info(f"patchdsl verify: {report.verdict}")
+    log.warning(f"patchdsl verify (kpatch_verify): {report.verdict}")
 
 
 def summary_line(handle: Any) -> str:
@@ -364,18 +375,21 @@ def summary_line(handle: Any) -> str:
 
 
 def log_handle(handle: Any, level: str, log: Any) -> None:
+    """What ``kpatch_log`` asks for, at transformers' default log level (warning): the one totals line
+    (``totals``, the default), every patched site too (``sites``), nothing (``none``).  A user who set
+    kpatch_log asked to see it; ``--log_level error`` or kpatch_log none silences it."""
     if level == "none":
         return
-    log.info(summary_line(handle))
+    log.warning(summary_line(handle))
     for r in handle.refused:
         log.warning(f"patchdsl: {r}")
     for n in getattr(handle, "notes", []):
-        log.info(f"patchdsl: {n}")
+        log.warning(f"patchdsl: {n}")
     if level == "sites" and handle.plan is not None:
         done = set(handle.patched)
         for s in handle.plan.sites:
             if s.path in done:
-                log.info(f"patchdsl:   {s.path or '<model>'}: {s.op} ({s.rule})")
+                log.warning(f"patchdsl:   {s.path or '<model>'}: {s.op} ({s.rule})")
 
 
 def patch_for_training(model: Any, args: Any, training_args: Any = None, *, logger: Any = None) -> Any:

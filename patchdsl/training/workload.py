@@ -99,19 +99,23 @@ def train(model: Any, batches: list[dict[str, Any]], w: Workload, label: str,
 
 
 def compare_runs(model: Any, plan: Any, w: Workload, progress_factory: Callable | None = None,
-                 apply_fn: Callable | None = None) -> tuple[RunResult, RunResult, Any]:
-    """Train a copy of ``model`` unpatched, then a copy patched with ``plan``, same weights and batches."""
+                 apply_fn: Callable | None = None, stage: Callable[[str], Any] | None = None
+                 ) -> tuple[RunResult, RunResult, Any]:
+    """Train a copy of ``model`` unpatched, then a copy patched with ``plan``, same weights and batches
+    (``stage``: told when each run starts)."""
     import torch
 
     from ..runtime import apply
 
     apply_fn = apply_fn or apply
+    stage = stage or (lambda _m: None)
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
     batches = make_batches(vocab, w, dev)
     base_state = copy.deepcopy(model.state_dict())
     total = len(batches)
     bar = progress_factory("unpatched", total) if progress_factory else None
+    stage(f"training unpatched ({total} step(s))")
     ref = train(model, batches, w, "unpatched", bar)
     model.load_state_dict(base_state)
     del base_state
@@ -119,6 +123,7 @@ def compare_runs(model: Any, plan: Any, w: Workload, progress_factory: Callable 
         torch.cuda.empty_cache()
     handle = apply_fn(plan, model)
     bar = progress_factory("patched", total) if progress_factory else None
+    stage(f"training patched ({total} step(s))")
     pat = train(model, batches, w, "patched", bar)
     return ref, pat, handle
 
@@ -159,6 +164,7 @@ class SideBySide:
     totals: tuple[tuple[str, int, int], ...]
     fused: int                      # modules fused into the patched sites
     parity: dict                    # {"passed", "verdict", ...}: verify's check, and the runs' finiteness
+    trained: bool = True            # False: the verdict failed first, so neither run trained
 
     @property
     def passed(self) -> bool:
@@ -177,18 +183,31 @@ class SideBySide:
                 "patched_sites": len(self.handle.patched), "fused_modules": self.fused,
                 "refused": [str(r) for r in self.handle.refused],
                 "totals": [{"name": n, "patched": a, "present": b} for n, a, b in self.totals],
-                "parity": self.parity}
+                "parity": self.parity, "trained": self.trained}
 
 
 def side_by_side(model: Any, plan: Any, w: Workload, *, dtype: str, device: str, seed: int,
-                 progress_factory: Callable | None = None) -> SideBySide:
+                 progress_factory: Callable | None = None, stage: Callable[[str], Any] | None = None) -> SideBySide:
     """``patchdsl apply`` as a function: verify's check on ``model`` (:func:`parity_verdict`), then the
     unpatched and the patched run of :func:`compare_runs`, and the verdict (the runs disagreeing on
     whether a step's loss is finite fails it)."""
     from ..planning.site import count_totals
 
+    if stage is not None:
+        stage("the verdict: verify's check of every patched site on this model against float64")
     parity = parity_verdict(plan, model, dtype, w, seed, device)
-    ref, pat, handle = compare_runs(model, plan, w, progress_factory)
+    if not parity["passed"]:
+        # the verdict comes first and decides: a spec that fails it (one for another family, a wrong flag)
+        # is reported now, without training the two runs whose losses would not change it
+        from ..runtime import PatchHandle
+
+        if stage is not None:
+            stage("the verdict failed: neither run is trained")
+        handle = PatchHandle(plan, active=False)
+        fused = sum(len(s.covers) for s in plan.sites if not s.refused)
+        return SideBySide(w, RunResult("unpatched"), RunResult("patched"), handle, tuple(plan.totals), fused,
+                          parity, trained=False)
+    ref, pat, handle = compare_runs(model, plan, w, progress_factory, stage=stage)
     live = [s if s.path in handle.patched else replace(s, refused=s.refused or "refused at apply") for s in plan.sites]
     totals = count_totals(live, {n: pr for n, _, pr in plan.totals})
     fused = sum(len(s.covers) for s in live if not s.refused)
@@ -198,3 +217,26 @@ def side_by_side(model: Any, plan: Any, w: Workload, *, dtype: str, device: str,
         parity["verdict"] += (f"; the two runs disagree on finiteness at step(s) {', '.join(map(str, mismatch[:10]))} "
                               f"(one loss finite, the other not)")
     return SideBySide(w, ref, pat, handle, totals, fused, parity)
+
+
+def memory_need(model: Any, dtype: str, w: Workload, device: Any) -> tuple[int, str]:
+    """(bytes, how) ``patchdsl apply`` is estimated to take at its peak with ``model`` (a meta-device
+    model will do: nothing is allocated), rough and on the safe side: the larger of the verdict (verify's
+    check on the model in hand: the model and its float64 reference, parity.stream.estimate) and the
+    training (the model, the state it restarts from, gradients, AdamW's two states, the activations)."""
+    from ..parity.stream import estimate
+    from ..util.vocab import DTYPE_BYTES
+
+    b = DTYPE_BYTES[dtype]
+    est = estimate(model, b, min(w.batch, 2), min(w.seq, 16), device, base_on_device=True)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden = int(getattr(cfg, "hidden_size", 0) or 1024)
+    inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden) if not isinstance(
+        getattr(cfg, "intermediate_size", 0), list) else 4 * hidden
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 1)
+    vocab = int(getattr(cfg, "vocab_size", 0) or 32000)
+    tokens = w.batch * w.seq
+    training = 5 * b * est.params + b * tokens * ((24 * hidden + 6 * inter) * layers + 4 * vocab)
+    verdict = b * est.params + est.whole_bytes
+    return max(training, verdict), ("the two training runs" if training >= verdict
+                                    else "the parity verdict's float64 reference")
