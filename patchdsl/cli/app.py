@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from .._version import __version__
+from ..util import files
 from ..util.files import FileReadError, FileWriteError
 from ..syntax.errors import SpecError
 from ..util.vocab import DTYPES, TARGETS
@@ -73,12 +74,7 @@ def _stdout_closed() -> None:
     """The reader of stdout went away (``patchdsl plan ... | head -1``): stop quietly, as any Unix tool
     does, with status 141 (128 + SIGPIPE).  What is still buffered for stdout goes to /dev/null, so
     that Python's flush at exit does not complain about the closed pipe either."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):     # not a real file (click's test runner): nothing to flush
-        pass
+    files.stdout_to_devnull()
     sys.exit(EXIT_PIPE_CLOSED)
 
 

@@ -15,15 +15,8 @@ from typing import Any
 
 
 def attribute_map(config: Any) -> dict[str, str]:
-    """The ``attribute_map`` of a config object or class, or of the config class of a model type (a
-    ``config.json``'s ``model_type``); {} when there is none or the model type is unknown."""
-    if isinstance(config, str):
-        try:
-            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-            config = CONFIG_MAPPING[config]
-        except (KeyError, ImportError):
-            return {}
+    """The ``attribute_map`` of a config object or class (for a ``config.json``'s ``model_type``:
+    ``model.hf.config_class``); {} when there is none (None: a model type transformers does not know)."""
     amap = getattr(config, "attribute_map", None)
     return {str(k): str(v) for k, v in amap.items() if k != v} if isinstance(amap, dict) else {}
 

@@ -114,7 +114,7 @@ def check_config_dict(d: dict, where: str = "config.json") -> None:
         raise ModelLoadError(f"{where}: \"model_type\" must be a string")
     from .config_names import attribute_map, with_standard_names
 
-    d, added = with_standard_names(d, attribute_map(d["model_type"]))
+    d, added = with_standard_names(d, attribute_map(config_class(d["model_type"])))
     for k in SIZE_KEYS:
         if k not in d or d[k] is None or _switched_off(d, k):
             continue
@@ -261,6 +261,16 @@ def _implied_head_dim(cfg) -> None:
             c.head_dim = c.hidden_size // heads
         if "num_key_value_heads" in vars(c) and vars(c)["num_key_value_heads"] is None:
             c.num_key_value_heads = heads
+
+
+def config_class(model_type: str):
+    """transformers' config class of ``model_type``, None when it knows none."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[model_type]
+    except (KeyError, ImportError):
+        return None
 
 
 def default_config(model_type: str, **kw):

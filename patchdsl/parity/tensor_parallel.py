@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -331,6 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args(argv)
+    if a.json_out:          # before any process group: a FIFO, a device or a folder is refused now (exit 2)
+        from ..util import files
+
+        try:
+            files.check_writable(a.json_out, what="--json")
+        except files.FileWriteError as e:
+            print(e, file=sys.stderr)
+            return 2
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     dev = "cpu"
@@ -344,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         print("\n".join(report_lines(res)), flush=True)
         if a.json_out:
-            with open(a.json_out, "w") as f:
-                json.dump(res, f, indent=1)
+            from ..util import files
+
+            files.write_text(a.json_out, json.dumps(res, indent=1), what="--json")
     dist.destroy_process_group()
     return 0 if res["passed"] else 1
 

@@ -440,3 +440,16 @@ def write_text(path: str | os.PathLike, text: str, *, what: str = "file", privat
                parents: bool = False) -> Path:
     """:func:`write_bytes` of ``text`` in UTF-8."""
     return write_bytes(path, text.encode("utf-8"), what=what, private=private, parents=parents)
+
+
+def stdout_to_devnull() -> None:
+    """Point the process's stdout at /dev/null (its reader went away: what is still buffered must not
+    fail at exit); nothing when stdout is not a real file (click's test runner)."""
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass

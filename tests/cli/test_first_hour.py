@@ -188,7 +188,11 @@ def default_config_files(tmp_path_factory):
 def test_tiny_models_of_families_whose_sizes_go_by_other_names(family, default_config_files):
     """GPT-2 calls its heads n_head (attribute_map): the tiny step read to_dict()['num_attention_heads']."""
     from patchdsl.model import load_model
-    from patchdsl.model.config_names import attribute_map
+    from patchdsl.model.config_names import attribute_map as _amap
+    from patchdsl.model.hf import config_class
+
+    def attribute_map(model_type):
+        return _amap(config_class(model_type))
 
     assert "num_attention_heads" in attribute_map(family) or "hidden_size" in attribute_map(family)
     said = []

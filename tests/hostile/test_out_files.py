@@ -162,6 +162,8 @@ OUTPUTS = {
     (f"{BENCH}/specialise.py", "s --json-out"): (["bench", "specialise", "--json-out", "{t}"], False),
     (f"{BENCH}/specialise.py", "s --txt"): (["bench", "specialise", "--txt", "{t}"], False),
     (f"{BENCH}/fsdp2.py", "p --out"): (["fsdp2:", "--out", "{t}"], False),
+    ("patchdsl/parity/tensor_parallel.py", "ap --json"): (["tp:", "--family", "llama", "--spec", "llama", "--json", "{t}"],
+                                                          False),
 }
 
 
@@ -195,12 +197,14 @@ CASES = [(k, t) for k, (_, folder) in OUTPUTS.items() for t in (FOLDER_TARGETS i
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
-    if argv[0] in ("census:", "fsdp2:"):           # a tool's own entry point (python -m patchdsl_tools...)
+    if argv[0] in ("census:", "fsdp2:", "tp:"):    # a tool's own entry point (python -m patchdsl_tools..., torchrun -m)
         import contextlib
         import io
 
         if argv[0] == "census:":
             from patchdsl_tools.census import main as tool
+        elif argv[0] == "tp:":
+            from patchdsl.parity.tensor_parallel import main as tool
         else:
             from patchdsl_tools.bench.fsdp2 import main as tool
         err = io.StringIO()
