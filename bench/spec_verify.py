@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,10 +57,6 @@ def default_config(spec: str, folder: Path) -> tuple[str, Path | None, str | Non
     return mt, path, None
 
 
-def _text(x) -> str:
-    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-
-
 def run_one(spec: str, cfg: Path, a, limit: float, out: Path) -> dict:
     cmd = [sys.executable, "-m", "patchdsl.cli", "verify", str(ROOT / "specs" / f"{spec}.kpatch"), "--model", str(cfg),
            "--device", a.device, "--dtype", a.dtype, "--layers", str(a.layers), "--batch", str(a.batch),
@@ -69,14 +64,9 @@ def run_one(spec: str, cfg: Path, a, limit: float, out: Path) -> dict:
     if "--tiny" not in cmd:
         cmd.append("--full")
     print(f"== {spec}: {' '.join(cmd[1:])} (limit {limit:.0f}s)", flush=True)
-    t0 = time.perf_counter()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
-        rc, so, se = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, so, se = 124, _text(e.stdout), _text(e.stderr)
-    wall = time.perf_counter() - t0
+    from patchdsl_tools.bench.runner import run_offline
+
+    rc, so, se, wall = run_offline(cmd, limit)
     sys.stdout.write(se[-2500:])
     row = {"spec": spec, "rc": rc, "seconds": round(wall, 1)}
     js = None

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,15 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.reference != "auto":
             cmd += ["--reference", a.reference]
         print(f"== {mid}: {' '.join(cmd[1:])} (limit {share:.0f}s)", flush=True)
-        t0 = time.perf_counter()
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=share, env=env)
-            rc, so, se = p.returncode, p.stdout, p.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, so = 124, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            se = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        wall = time.perf_counter() - t0
+        from patchdsl_tools.bench.runner import run_offline
+
+        rc, so, se, wall = run_offline(cmd, share)
         sys.stdout.write(se[-3000:])
         row = {"model": mid, "spec": spec, "rc": rc, "wall_s": round(wall, 1)}
         try:

@@ -74,21 +74,12 @@ def _safe(fn, *a):
 
 # ------------------------------------------------------------------ the vocabulary-parallel loss
 def reference_loss(h, w, b, y, ignore, eps, zl, cap, reduction, num_items):
-    import torch
+    """The float64 loss of the whole (unsharded) head: the kernels' reference (tests/kernels/helpers)."""
+    from tests.kernels.helpers import ce_reference
 
     x = h @ w.T
-    if b is not None:
-        x = x + b
-    if cap:
-        x = cap * torch.tanh(x / cap)
-    lse = torch.logsumexp(x, -1)
-    valid = y != ignore
-    tgt = x.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
-    per = (1 - eps) * (lse - tgt) + eps * (lse - x.mean(-1)) + zl * lse * lse
-    per = torch.where(valid, per, torch.zeros_like(per))
-    if reduction == "sum":
-        return per.sum()
-    return per.sum() / (num_items if num_items is not None else valid.sum().clamp_min(1))
+    return ce_reference(x + b if b is not None else x, y, ignore_index=ignore, label_smoothing=eps, softcap=cap,
+                        z_loss=zl, reduction=reduction, num_items=num_items)
 
 
 VOCAB_CASES = [   # (vocab, bias, label_smoothing, z_loss, softcap, reduction, num_items, chunk)

@@ -663,3 +663,21 @@ def _line(rec: dict, i: int, n: int) -> str:
     if rec.get("host_sync"):
         parts.append("HOST SYNC")
     return f"{head}: " + ", ".join(parts) + f" [{rec['unit_s']:.1f}s]"
+
+
+def run_offline(cmd: list[str], limit: float) -> tuple[int, str, str, float]:
+    """(exit code, stdout, stderr, seconds) of ``cmd`` run with the Hub offline under ``limit``
+    seconds; a run past the limit is exit 124 with what it printed so far."""
+    import subprocess
+    import time
+
+    def text(x) -> str:
+        return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        rc, so, se = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, so, se = 124, text(e.stdout), text(e.stderr)
+    return rc, so, se, time.perf_counter() - t0
