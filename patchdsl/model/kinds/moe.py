@@ -45,6 +45,19 @@ def grouped_route(scores: Any, choice: Any, top_k: int, n_group: int, topk_group
     return torch.topk(choice.masked_fill(~smask.bool(), fill), k=top_k, dim=-1, sorted=False)[1]
 
 
+def _match_scoring(facts: dict, candidates, ow: Any, oi: Any, *, rtol: float, atol: float) -> None:
+    """Set ``facts["scoring"]`` (and the formula's extra facts) to the first candidate formula that
+    picks the same experts as the module (``oi``) with the same weights (``ow``), slot order aside."""
+    torch = _torch()
+    for name, extra, cw, ci in candidates:
+        if ci.shape == oi.shape and torch.equal(torch.sort(ci, -1)[0], torch.sort(oi, -1)[0]):
+            order_o, order_c = torch.argsort(oi, -1), torch.argsort(ci, -1)
+            if torch.allclose(ow.double().gather(1, order_o), cw.gather(1, order_c), rtol=rtol, atol=atol):
+                facts["scoring"] = name
+                facts.update(extra)
+                return
+
+
 def _router_candidates(r: Any, x: Any, wt: Any, bias: Any, facts: Mapping[str, Any]):
     """(name, extra facts, weights, indices) of each routing formula for ``r``'s attributes."""
     torch = _torch()
@@ -190,14 +203,7 @@ def moe_block(m: Any) -> dict | None:
             out = None
         roles = _router_roles(out, int(k))
         if roles is not None:
-            ow, oi = roles
-            for name, extra, cw, ci in _router_candidates(r, x, wt, bt, facts):
-                if ci.shape == oi.shape and torch.equal(torch.sort(ci, -1)[0], torch.sort(oi, -1)[0]):
-                    order_o, order_c = torch.argsort(oi, -1), torch.argsort(ci, -1)
-                    if torch.allclose(ow.double().gather(1, order_o), cw.gather(1, order_c), rtol=1e-6, atol=1e-9):
-                        facts["scoring"] = name
-                        facts.update(extra)
-                        break
+            _match_scoring(facts, _router_candidates(r, x, wt, bt, facts), *roles, rtol=1e-6, atol=1e-9)
     facts.pop("_corr")
     return _moe_block_rest(m, fe, facts)
 
@@ -322,15 +328,8 @@ def router(m: Any) -> dict | None:
     facts: dict[str, Any] = {"experts": E, "hidden": H, "top_k": int(k), "bias": b is not None, "order": r32[3],
                              "scoring": None, "norm_topk": None, "_corr": corr.double(),
                              "flattens": _router_flattens(m, wt, bt, corr, x, r32)}
-    ow, oi = r32[1], r32[2]
-    for name, extra, cw, ci in _router_candidates(m, x.double(), wt.double(), bt.double() if bt is not None else None,
-                                                  facts):
-        if ci.shape == oi.shape and torch.equal(torch.sort(ci, -1)[0], torch.sort(oi, -1)[0]):
-            order_o, order_c = torch.argsort(oi, -1), torch.argsort(ci, -1)
-            if torch.allclose(ow.double().gather(1, order_o), cw.gather(1, order_c), rtol=1e-5, atol=1e-7):
-                facts["scoring"] = name
-                facts.update(extra)
-                break
+    _match_scoring(facts, _router_candidates(m, x.double(), wt.double(), bt.double() if bt is not None else None,
+                                             facts), r32[1], r32[2], rtol=1e-5, atol=1e-7)
     facts.pop("_corr")
     if facts["scoring"] is None:
         # a router by structure whose weights no formula above gives: a Router of scoring "unknown", so a
