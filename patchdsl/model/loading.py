@@ -179,7 +179,7 @@ def _from_pretrained(where: str, cfg, *, dtype, device: str, attn_implementation
     return model
 
 
-def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_implementation, where: str):
+def _build(cfg, *, dtype, device: str, meta: bool, tiny: bool, seed: int, attn_implementation):
     import torch
 
     dtype = _run_dtype(cfg, dtype, tiny)
@@ -212,7 +212,7 @@ def _full_build_fits(cfg, dtype, device: str, attn_implementation, where: str) -
     SAY_BUILD_BYTES, done in moments; ModelLoadError when they do not fit."""
     try:
         m = _build(cfg, dtype=dtype, device=device, meta=True, tiny=False, seed=0,
-                   attn_implementation=attn_implementation, where=where)
+                   attn_implementation=attn_implementation)
     except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, OverflowError, ZeroDivisionError) as e:
         raise ModelLoadError(f"cannot build the {cfg.model_type} architecture from {where}: {one_line(e)}") from None
     return _meta_model_fits(m, device)
@@ -309,7 +309,7 @@ def load_model(spec: str | os.PathLike, *, dtype: Any = None, device: str = "cpu
         try:
             # layers=N: built on the meta device, cut, and only what is kept materialised
             model = _build(cfg, dtype=dtype, device=device, meta=meta or layers is not None, tiny=tiny, seed=seed,
-                           attn_implementation=attn_implementation, where=where_)
+                           attn_implementation=attn_implementation)
             if layers is not None and _cut(model, layers) and not meta:
                 said = None if tiny else _meta_model_fits(model, device)
                 if said:
