@@ -30,14 +30,13 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .base import DTYPE_FLOORS, FlagSpec, Op
-from .fp8_linear import UNIT_ROUNDOFF
+from .fp8_linear import ALIGN as FP8_ALIGN, UNIT_ROUNDOFF
 from ..model.info import ModuleInfo
 from .registry import register
 
 # fp8 recipes of the expert GEMMs: fp8_linear's names; tensorwise is not one (the grouped fp8 GEMM
 # takes a scale per row and column)
 EXPERT_RECIPES = ("rowwise", "rowwise_with_gw_hp")
-FP8_ALIGN = 16          # the fp8 grouped GEMM: hidden and intermediate multiples of 16
 
 class FusedExperts(Op):
     name = "fused_experts"
